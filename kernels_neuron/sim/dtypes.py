@@ -112,10 +112,16 @@ def itemsize(dtype: DType) -> int:
     return dtype.itemsize
 
 
+_NAMES: dict[DType, str] = {}
+
+
 def name(dtype: DType) -> str:
-    if isinstance(dtype, SpecialDType):
-        return dtype.name
-    return "bfloat16" if dtype == bfloat16 else str(dtype)
+    """NKI's name for a dtype ("bfloat16", "float32", ...); cached, as it sits on the hot path."""
+    found = _NAMES.get(dtype)
+    if found is None:
+        found = dtype.name if isinstance(dtype, SpecialDType) else ("bfloat16" if dtype == bfloat16 else str(dtype))
+        _NAMES[dtype] = found
+    return found
 
 
 def is_float(dtype: DType) -> bool:

@@ -124,11 +124,9 @@ def _compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str
     _where(t, instr, role, allowed)
     if eng == "gpsimd" and t.buffer == "psum":
         raise rule(instr, role, "the GpSimd engine cannot access PSUM")
-    run = runtime.current()
     parts = t.partition_size
-    if parts > run.target.partitions:
-        raise rule(instr, role, "partition dim exceeds the partition count",
-                   partitions=parts, limit=run.target.partitions)
+    if parts > PE_ARRAY:  # every generation has 128 partitions
+        raise rule(instr, role, "partition dim exceeds the partition count", partitions=parts, limit=PE_ARRAY)
     start = t.start_partition
     if parts > 64 and start != 0:
         raise rule(instr, role, "an access over more than 64 partitions must start at partition 0",
@@ -143,7 +141,7 @@ def _compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str
     if eng in ("vector", "scalar", "gpsimd") and t.free_size > limit:
         raise rule(instr, role, f"free size exceeds the {t.buffer.upper()} per-instruction limit",
                    free_elements=t.free_size, limit=limit)
-    dims = _free_pattern_dims(t)
+    dims = _free_pattern_dims(t) if t.ndim > ACCESS_PATTERN_MAX_FREE_DIMS + 1 else 0
     if dims > ACCESS_PATTERN_MAX_FREE_DIMS:
         raise rule(instr, role, "access pattern has too many free dimensions",
                    free_dims=dims, limit=ACCESS_PATTERN_MAX_FREE_DIMS)
@@ -586,7 +584,9 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
     if second is not None:
         a1 = _scalar_or_vector(0.0 if operand1 is None else operand1, instr, "operand1", parts, eng)
         values = _alu_apply(second, values, a1, reverse1)
-    dst.write(np.broadcast_to(values, (parts, data.free_size)).reshape(dst.shape), instr)
+    if values.shape != (parts, data.free_size):
+        values = np.broadcast_to(values, (parts, data.free_size))
+    dst.write(values.reshape(dst.shape), instr)
     runtime.current().record(eng, "tensor_scalar", reads=_reads(data=data, operand0=operand0, operand1=operand1),
                              writes=[("dst", dst)], alu=first.name,
                              all_bf16=dtypes.name(data.dtype) == "bfloat16" and dtypes.name(dst.dtype) == "bfloat16",

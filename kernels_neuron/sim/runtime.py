@@ -24,7 +24,7 @@ HBM_KINDS = ("hbm", "shared_hbm", "private_hbm")
 class Buffer:
     """One allocation: its storage, where it lives, and (for PSUM) which elements were written."""
 
-    __slots__ = ("id", "kind", "dtype", "data", "name", "partition_bytes", "written", "origin", "__weakref__")
+    __slots__ = ("id", "kind", "dtype", "data", "name", "on_chip", "partition_bytes", "written", "origin", "__weakref__")
 
     def __init__(self, buffer_id: int, kind: str, dtype: dtypes.DType, data: np.ndarray, name: str) -> None:
         self.id = buffer_id
@@ -32,16 +32,12 @@ class Buffer:
         self.dtype = dtype
         self.data = data
         self.name = name
-        on_chip = kind in ON_CHIP
+        self.on_chip = on_chip = kind in ON_CHIP
         self.partition_bytes = (data.nbytes // data.shape[0]) if on_chip and data.ndim else data.nbytes
         # PSUM remembers what was written so nc_matmul(accumulate=None) can tell overwrite from add.
         self.written = np.zeros(data.shape, dtype=np.bool_) if kind == "psum" else None
         # Set by nl.matmul so that ``psum_tile += nl.matmul(...)`` can accumulate in place.
         self.origin: tuple | None = None
-
-    @property
-    def on_chip(self) -> bool:
-        return self.kind in ON_CHIP
 
 
 class Run:
@@ -124,8 +120,12 @@ class Run:
         reads = [(role, t) for role, t in reads if t is not None]
         writes = [(role, t) for role, t in writes if t is not None]
         operands = tuple(Operand(role, t.shape, dtypes.name(t.dtype), t.buffer) for role, t in writes + reads)
-        widest = max((t for _, t in writes + reads), key=lambda t: t.size, default=None)
-        partitions, free = (widest.partition_size, widest.free_size) if widest is not None else (0, 0)
+        partitions = free = 0
+        for _, t in writes + reads:
+            size = t._view.size
+            if size > partitions * free:
+                partitions = t.partition_size
+                free = size // max(partitions, 1)
         hbm_read = sum(t.nbytes for _, t in reads if t.buffer in HBM_KINDS)
         hbm_written = sum(t.nbytes for _, t in writes if t.buffer in HBM_KINDS)
         inst = Instruction(

@@ -66,7 +66,8 @@ class Indirect:
 class Tensor:
     """A tensor in HBM, SBUF or PSUM, as NKI kernels see it."""
 
-    __slots__ = ("_buf", "_view", "_dtype", "_indirect")
+    # Views never change after creation, so their region and start partition are cached.
+    __slots__ = ("_buf", "_view", "_dtype", "_indirect", "_region", "_start")
 
     def __init__(self, buf: Buffer, view: np.ndarray | None = None, dtype: dtypes.DType | None = None,
                  indirect: Indirect | None = None) -> None:
@@ -74,6 +75,8 @@ class Tensor:
         self._view = buf.data if view is None else view
         self._dtype = buf.dtype if dtype is None else dtype
         self._indirect = indirect
+        self._region: Region | None = None
+        self._start: int | None = None
 
     # -- what it is -------------------------------------------------------------------------
     @property
@@ -111,24 +114,31 @@ class Tensor:
     @property
     def partition_size(self) -> int:
         """Partitions an on-chip tile spans (1 for HBM, whose layout has none)."""
-        if not self.on_chip:
-            return 1
-        return self.shape[0] if self.ndim else 1
+        view = self._view
+        return view.shape[0] if (self._buf.on_chip and view.ndim) else 1
 
     @property
     def free_size(self) -> int:
         """Elements per partition."""
-        return self.size // max(self.partition_size, 1)
+        view = self._view
+        if self._buf.on_chip and view.ndim:
+            return view.size // max(view.shape[0], 1)
+        return view.size
 
     @property
     def start_partition(self) -> int:
-        offset = self._view.__array_interface__["data"][0] - self._buf.data.__array_interface__["data"][0]
-        return offset // self._buf.partition_bytes if self.on_chip else 0
+        if self._start is None:
+            self._start = self.region().p0 if self.on_chip else 0
+        return self._start
 
     def region(self) -> Region:
-        if self._indirect is not None:  # rows known only at run time: the whole allocation
-            return Region(self._buf.id, 0, 1, 0, self._buf.data.nbytes)
-        return region_of(self._buf, self._view)
+        """The partitions and per-partition bytes this view touches (for dependency tracking)."""
+        if self._region is None:
+            if self._indirect is not None:  # rows known only at run time: the whole allocation
+                self._region = Region(self._buf.id, 0, 1, 0, self._buf.data.nbytes)
+            else:
+                self._region = region_of(self._buf, self._view)
+        return self._region
 
     def __repr__(self) -> str:
         name = f" {self.name!r}" if self.name else ""
