@@ -1,0 +1,79 @@
+"""The ``kernels-neuron`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Simulate the bundled example kernels, check each against NumPy and summarise the traces."""
+    import numpy as np
+    import ml_dtypes
+
+    from kernels_neuron import sim
+
+    backend = sim.install()
+    from kernels_neuron.sim import examples
+
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    rng = np.random.default_rng(0)
+    bf16 = ml_dtypes.bfloat16
+    x = rng.standard_normal((300, 1000)).astype(np.float32)
+    cases: dict[str, tuple[tuple, dict, np.dtype]] = {
+        "tiled_matmul": ((rng.standard_normal((384, 256)).astype(bf16), rng.standard_normal((384, 1024)).astype(bf16)), {}, bf16),
+        "transpose_2d": ((rng.standard_normal((300, 260)).astype(bf16),), {}, bf16),
+        "row_softmax": ((x,), {}, np.float32),
+        "layernorm": ((x, rng.standard_normal((1, 1000)).astype(np.float32),
+                       rng.standard_normal((1, 1000)).astype(np.float32), 1e-5), {}, np.float32),
+        "spmd_scaled_add": ((x, x[::-1].copy(), 0.5), {"grid": 3}, np.float32),
+    }
+    chosen = [args.example] if args.example else list(cases)
+    console.print(f"nki backend: [bold]{backend}[/] · target: [bold]{args.target}[/]")
+    table = Table(title="bundled NKI example kernels on the CPU simulator")
+    for column in ("kernel", "inputs", "max |err| vs NumPy", "check", "instructions", "HBM bytes",
+                   "peak SBUF B/part", "peak PSUM B/part"):
+        table.add_column(column, justify="right" if column not in ("kernel", "inputs", "check") else "left")
+    traces = {}
+    failed = False
+    for name in chosen:
+        kernel, reference = examples.EXAMPLES[name]
+        inputs, launch, dtype = cases[name]
+        result = sim.run(kernel, *inputs, target=args.target, **launch)
+        expected = reference(*inputs)
+        error = float(np.max(np.abs(result.outputs.astype(np.float32) - expected.astype(np.float32))))
+        # Tolerance: one rounding of the output dtype, relative to the result's magnitude.
+        scale = float(np.max(np.abs(expected.astype(np.float32)))) or 1.0
+        tolerance = (2 ** -7 if dtype == bf16 else 1e-5) * scale
+        ok = error <= tolerance
+        failed |= not ok
+        shapes = ", ".join("x".join(map(str, a.shape)) for a in inputs if hasattr(a, "shape"))
+        trace = result.trace
+        table.add_row(name, shapes, f"{error:.3g}", "[green]PASS[/]" if ok else "[red]FAIL[/]", str(len(trace)),
+                      f"{trace.hbm_bytes:,}", f"{trace.sbuf_peak_bytes:,}", f"{trace.psum_peak_bytes:,}")
+        traces[name] = trace
+    console.print(table)
+    first = chosen[0]
+    console.print(f"\n[bold]trace of {first}[/]\n{traces[first].summary()}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kernels-neuron", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="simulate the bundled example kernels and check them")
+    demo.add_argument("--example", choices=["tiled_matmul", "transpose_2d", "row_softmax", "layernorm",
+                                            "spmd_scaled_add"], help="run only this example")
+    demo.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
+    demo.set_defaults(run=_demo)
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.run
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""The command line's main job runs and checks the bundled kernels."""
+
+from kernels_neuron.cli import main
+
+
+def test_demo_runs_every_example_and_passes(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    for name in ("tiled_matmul", "transpose_2d", "row_softmax", "layernorm", "spmd_scaled_add"):
+        assert name in out
+    assert "FAIL" not in out and out.count("PASS") == 5
+    assert "nc_matmul" in out  # the trace summary of the first example
+
+
+def test_demo_single_example_on_trn1(capsys):
+    assert main(["demo", "--example", "row_softmax", "--target", "trn1"]) == 0
+    assert "trace on trn1" in capsys.readouterr().out
