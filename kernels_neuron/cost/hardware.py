@@ -1,0 +1,75 @@
+"""Speeds of one NeuronCore per target: the only numbers the cost model is built from.
+
+Each constant names its source. "NKI-NOTES" is ``shared/NKI-NOTES.md``, a digest of AWS's
+Neuron documentation (architecture guides, NKI performance guide, ISA reference). Values
+marked *calibrated* were fitted to AWS's published Trn1 matmul-tutorial latencies (see
+``benchmarks/calibration.py`` and the README's calibration table); values marked *assumed*
+have no published source and are the model's own estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    tensor_ghz: float  # NKI-NOTES: TensorE clock
+    vector_ghz: float  # NKI-NOTES: VectorE clock
+    scalar_ghz: float  # NKI-NOTES: ScalarE clock
+    gpsimd_ghz: float  # NKI-NOTES: GpSimd clock
+    pe_rows: int  # NKI-NOTES: 128x128 processing elements
+    pe_cols: int
+    hbm_bytes_per_s: float  # NKI-NOTES: chip HBM bandwidth / NeuronCores per chip
+    dma_queues: int  # NKI-NOTES: 16 DMA engines per NeuronCore
+    dma_latency_ns: float  # NKI-NOTES: ~1.3 us fixed latency per transfer
+    # DMA efficiency by contiguous bytes per partition (calibrated): transfers of at most
+    # ``dma_small_bytes`` per partition reach ``dma_small_efficiency`` of the bandwidth, rising
+    # linearly to full bandwidth at ``dma_saturation_bytes`` (NKI-NOTES: >= 2 KiB per partition
+    # to be efficient, >= 4 KiB to saturate).
+    dma_small_bytes: int
+    dma_small_efficiency: float
+    dma_saturation_bytes: int
+    min_instruction_cycles: int  # NKI-NOTES: fixed minimum of ~64 engine cycles per instruction
+    vector_fast_modes: bool  # NKI-NOTES: Trn2 VectorE 2-4x modes for bf16 SBUF->SBUF work
+    cross_engine_sync_ns: float  # assumed: semaphore hand-off between engines
+
+    @property
+    def tensor_peak_flops(self) -> float:
+        """bf16 dense peak: 2 FLOP per PE per cycle (NKI-NOTES: ~78.6 TFLOPS on a Trn2 core)."""
+        return 2.0 * self.pe_rows * self.pe_cols * self.tensor_ghz * GB
+
+
+TRN1 = Hardware(
+    name="trn1", tensor_ghz=2.8, vector_ghz=1.12, scalar_ghz=1.4, gpsimd_ghz=1.4, pe_rows=128, pe_cols=128,
+    hbm_bytes_per_s=820 * GB / 2,  # 820 GB/s per chip, 2 NeuronCores
+    dma_queues=16, dma_latency_ns=1300.0,
+    dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
+    min_instruction_cycles=64, vector_fast_modes=False, cross_engine_sync_ns=50.0,
+)
+TRN2 = Hardware(
+    name="trn2", tensor_ghz=2.4, vector_ghz=0.96, scalar_ghz=1.2, gpsimd_ghz=1.2, pe_rows=128, pe_cols=128,
+    hbm_bytes_per_s=2900 * GB / 8,  # 2.9 TB/s per chip, 8 NeuronCores
+    dma_queues=16, dma_latency_ns=1300.0,
+    dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
+    min_instruction_cycles=64, vector_fast_modes=True, cross_engine_sync_ns=50.0,
+)
+TRN3 = Hardware(
+    name="trn3", tensor_ghz=2.4, vector_ghz=1.2, scalar_ghz=1.2, gpsimd_ghz=1.2, pe_rows=128, pe_cols=128,
+    hbm_bytes_per_s=4900 * GB / 8,  # 4.9 TB/s per chip, 8 NeuronCores
+    dma_queues=16, dma_latency_ns=1300.0,
+    dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
+    min_instruction_cycles=64, vector_fast_modes=True, cross_engine_sync_ns=50.0,
+)
+
+HARDWARE: dict[str, Hardware] = {h.name: h for h in (TRN1, TRN2, TRN3)}
+
+
+def hardware(target: str) -> Hardware:
+    key = {"gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}.get(target, target)
+    if key not in HARDWARE:
+        raise ValueError(f"no cost table for target {target!r}; choose one of {sorted(HARDWARE)}")
+    return HARDWARE[key]

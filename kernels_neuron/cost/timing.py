@@ -1,0 +1,102 @@
+"""How long one instruction keeps its engine busy, from AWS's published per-instruction costs.
+
+Engine cycles follow the NC-v2 estimates AWS published (NKI-NOTES), with N the free elements
+per partition and a fixed minimum of ~64 cycles:
+
+- matmul: max(min(64, M), N) cycles (M stationary columns, N moving columns), x4 for fp32, /2 for
+  fp8 double-row; TensorE transpose: max(P, min(64, F));
+- activation: max(64, N), +64 with a reduction; tensor_scalar / tensor_copy: max(64, N);
+  tensor_tensor: max(64, N) with a PSUM input or all-bf16, else max(64, 2N);
+  tensor_reduce: N (N/2 for bf16); reciprocal: max(64, 8N); iota / affine_select: 150 + N;
+  memset: N (N/2 for a bf16 zero fill);
+- Trn2+ VectorE fast modes: 4x for all-bf16 SBUF copies / tensor_scalar, 2x for all-bf16 SBUF
+  tensor_tensor.
+
+DMA: a transfer occupies the core's share of HBM bandwidth for ``bytes / (bandwidth x
+efficiency)``, where efficiency grows with the contiguous bytes per partition, plus a fixed
+latency that overlaps across the 16 queues.
+"""
+
+from __future__ import annotations
+
+from ..sim.trace import Instruction
+from .hardware import Hardware
+
+COMPUTE_ENGINES = ("tensor", "vector", "scalar", "gpsimd")
+
+
+def _clock_ghz(engine: str, hw: Hardware) -> float:
+    return {"tensor": hw.tensor_ghz, "vector": hw.vector_ghz, "scalar": hw.scalar_ghz,
+            "gpsimd": hw.gpsimd_ghz}[engine]
+
+
+def _all_bf16_in_sbuf(inst: Instruction) -> bool:
+    return all(o.dtype == "bfloat16" and o.buffer == "sbuf" for o in inst.operands)
+
+
+def _any_psum(inst: Instruction) -> bool:
+    return any(o.buffer == "psum" for o in inst.operands)
+
+
+def matmul_slowdown(attrs: dict) -> float:
+    """TensorE cycles relative to bf16: fp32 x4 (x2 with a one/zero operand), fp8 double-row /2."""
+    if attrs.get("fp32"):
+        return 2.0 if attrs.get("onezero") else 4.0
+    return 0.5 if attrs.get("double_row") else 1.0
+
+
+def engine_cycles(inst: Instruction, hw: Hardware) -> float:
+    """Busy cycles of a compute-engine instruction."""
+    n = max(inst.free_elements, 1)
+    floor = hw.min_instruction_cycles
+    op, engine, attrs = inst.op, inst.engine, inst.attrs
+    if engine == "tensor":
+        if op == "nc_matmul":
+            return max(min(64, attrs["M"]), attrs["N"]) * matmul_slowdown(attrs)
+        # nc_transpose on TensorE: a pass of the data through the array against an identity.
+        return max(attrs.get("K", inst.partitions), min(64, attrs.get("N", n))) * matmul_slowdown(attrs)
+    if engine == "scalar":
+        if op == "activation":
+            return max(floor, n) + (64 if attrs.get("reduce") else 0)
+        return max(floor, n)
+    if engine == "gpsimd":
+        if op in ("iota", "affine_select"):
+            return 150 + n
+        return max(floor, n)
+    # VectorE
+    speedup = 1.0
+    if hw.vector_fast_modes and _all_bf16_in_sbuf(inst):
+        speedup = 2.0 if op == "tensor_tensor" else 4.0 if op in ("tensor_copy", "tensor_scalar") else 1.0
+    if op == "tensor_tensor":
+        per_element = 1 if (_any_psum(inst) or _all_bf16_in_sbuf(inst)) else 2
+        return max(floor, per_element * n / speedup)
+    if op in ("tensor_reduce", "tensor_partition_reduce"):
+        bf16 = all(o.dtype == "bfloat16" for o in inst.operands[1:])
+        return max(1.0, n / 2 if bf16 else n)
+    if op == "reciprocal":
+        return max(floor, 8 * n)
+    if op == "memset":
+        return max(1.0, n / 2 if attrs.get("zero") and inst.operands[0].dtype == "bfloat16" else n)
+    return max(floor, n / speedup)
+
+
+def engine_ns(inst: Instruction, hw: Hardware) -> float:
+    return engine_cycles(inst, hw) / _clock_ghz(inst.engine, hw)
+
+
+def dma_efficiency(contiguous_bytes: int, hw: Hardware) -> float:
+    """Fraction of bandwidth a transfer reaches with this many contiguous bytes per partition."""
+    if contiguous_bytes >= hw.dma_saturation_bytes:
+        return 1.0
+    if contiguous_bytes <= hw.dma_small_bytes:
+        return hw.dma_small_efficiency
+    span = hw.dma_saturation_bytes - hw.dma_small_bytes
+    return hw.dma_small_efficiency + (1 - hw.dma_small_efficiency) * (contiguous_bytes - hw.dma_small_bytes) / span
+
+
+def dma_transfer_ns(inst: Instruction, hw: Hardware) -> float:
+    """Time a DMA instruction holds the bandwidth (its fixed latency is added by the scheduler)."""
+    attrs = inst.attrs
+    per_partition = attrs.get("bytes_per_partition", inst.bytes_moved)
+    contiguous = min(per_partition, attrs.get("contiguous_bytes", per_partition))
+    return inst.bytes_moved / (hw.hbm_bytes_per_s * dma_efficiency(contiguous, hw)) * 1e9
