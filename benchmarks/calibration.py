@@ -10,10 +10,12 @@ These are our own NKI kernels written to the tutorial's descriptions of each sta
 4. ``fully_optimized``: blocks of 16 M-tiles, 2 N-tiles and 8 K-tiles, SBUF-resident results,
    wide per-partition DMA rows.
 
-Simulating the full size is slow, so :func:`model_stage` simulates a slice (M=2048, N=1024, full
-K) and scales the modelled time by the work ratio (M/2048)·(N/1024); every loop over M and N
-blocks is independent and identical, which the calibration test checks on a size small enough
-to model whole.
+Simulating the full size is slow, so :func:`model_stage` models slices and scales them, using the
+loop structure: each stage's outermost loop (M tiles for stages 1-3, N blocks for stage 4) runs
+identical, independent iterations, so time is proportional to that dimension; inside one such
+iteration the other dimension's blocks repeat identically but share the outer loads, so time is
+affine in it and is extrapolated from two slice sizes. The calibration test checks this against
+modelling the whole problem at sizes small enough to simulate.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import nki.language as nl  # noqa: E402
 
 TILE_K, TILE_M, TILE_N = 128, 128, 512
 FULL_M, FULL_K, FULL_N = 4096, 8192, 8192
-SLICE_M, SLICE_N = 2048, 1024
 
 
 def _result_tile(acc, out, m0: int, n0: int) -> None:
@@ -165,16 +166,22 @@ def fully_optimized(lhs_t, rhs, tiles_m=16, tiles_n=2, tiles_k=8):
 
 @dataclass(frozen=True)
 class Stage:
+    """A tutorial stage and how to slice it: ``outer`` is its outermost loop's dimension ("m"/"n"),
+    ``outer_slice`` one iteration's extent, ``inner_slices`` two extents of the other dimension."""
+
     name: str
     kernel: Callable
     published_ms: float  # AWS NKI matmul tutorial, Trn1, bf16 [4096x8192]@[8192x8192]
+    outer: str
+    outer_slice: int
+    inner_slices: tuple[int, int]
 
 
 STAGES = (
-    Stage("basic tiled", basic_tiled, 51.80),
-    Stage("hoisted loads", hoisted_loads, 42.96),
-    Stage("blocked free dims", blocked_free, 22.07),
-    Stage("fully optimised", fully_optimized, 6.97),
+    Stage("basic tiled", basic_tiled, 51.80, outer="m", outer_slice=256, inner_slices=(1024, 2048)),
+    Stage("hoisted loads", hoisted_loads, 42.96, outer="m", outer_slice=256, inner_slices=(1024, 2048)),
+    Stage("blocked free dims", blocked_free, 22.07, outer="m", outer_slice=256, inner_slices=(1024, 2048)),
+    Stage("fully optimised", fully_optimized, 6.97, outer="n", outer_slice=1024, inner_slices=(2048, 4096)),
 )
 
 
@@ -184,13 +191,28 @@ def operands(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndar
             rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16))
 
 
+def _modelled_ms(stage: Stage, m: int, k: int, n: int, target: str) -> float:
+    return cost.estimate(stage.kernel, *operands(m, k, n), target=target).time_us / 1e3
+
+
 def model_stage(stage: Stage, m: int = FULL_M, k: int = FULL_K, n: int = FULL_N, *, target: str = "trn1",
-                slice_m: int = SLICE_M, slice_n: int = SLICE_N) -> float:
-    """Modelled ms for ``[m, k] @ [k, n]``: a (slice_m, k, slice_n) slice, scaled by the work ratio."""
-    if m % slice_m or n % slice_n:
-        raise ValueError(f"M={m} and N={n} must be multiples of the slice {slice_m}x{slice_n}")
-    report = cost.estimate(stage.kernel, *operands(slice_m, k, slice_n), target=target)
-    return report.time_us / 1e3 * (m // slice_m) * (n // slice_n)
+                whole: bool = False) -> float:
+    """Modelled ms for ``[m, k] @ [k, n]``, from slices scaled by the stage's loop structure.
+
+    ``whole=True`` models the problem unsliced instead (slow at the tutorial's size).
+    """
+    if whole:
+        return _modelled_ms(stage, m, k, n, target)
+    outer_total, inner_total = (m, n) if stage.outer == "m" else (n, m)
+    if outer_total % stage.outer_slice:
+        raise ValueError(f"{stage.name}: {stage.outer.upper()}={outer_total} must be a multiple of {stage.outer_slice}")
+    small, large = stage.inner_slices
+    times = []
+    for inner in (small, large):
+        shape = (stage.outer_slice, inner) if stage.outer == "m" else (inner, stage.outer_slice)
+        times.append(_modelled_ms(stage, shape[0], k, shape[1], target))
+    per_outer_slice = times[0] + (times[1] - times[0]) * (inner_total - small) / (large - small)
+    return per_outer_slice * outer_total / stage.outer_slice
 
 
 def calibrate(target: str = "trn1") -> list[dict]:

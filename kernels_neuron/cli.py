@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
@@ -62,6 +63,43 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _load_suite():
+    """The cases of ``benchmarks/suite.py`` in this source checkout."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "suite.py").is_file():
+        raise SystemExit(
+            f"kernels-neuron bench runs the suite in a source checkout; benchmarks/suite.py was not found under {root}"
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.suite import CASES
+
+    return CASES
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Simulate and model every suite case; print the table, optionally write JSON and a plot."""
+    from kernels_neuron import bench
+
+    cases = _load_suite()
+    console = Console(width=None if sys.stdout.isatty() else 220)
+    try:
+        records = bench.run_suite(cases, target=args.target, name_filter=args.filter, progress=sys.stderr.isatty())
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]; cases: " + ", ".join(c.name for c in cases))
+        return 2
+    console.print(bench.render_table(records))
+    if not bench.device_available():
+        console.print("No Trainium device here: every time above is modelled by the cost model, none is measured.")
+    if args.json:
+        bench.write_json(records, args.json)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        bench.plot_roofline(records, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kernels-neuron", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
                                             "spmd_scaled_add"], help="run only this example")
     demo.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
     demo.set_defaults(run=_demo)
+    bench_cmd = commands.add_parser("bench", help="run the microbenchmark suite (modelled Trainium times)")
+    bench_cmd.add_argument("--filter", help="only cases whose name contains this text")
+    bench_cmd.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
+    bench_cmd.add_argument("--json", help="write one JSON record per case to this path")
+    bench_cmd.add_argument("--plot", help="write a roofline plot (PNG) to this path")
+    bench_cmd.set_defaults(run=_bench)
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.run
     return handler(args)

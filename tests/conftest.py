@@ -3,3 +3,9 @@
 from kernels_neuron import sim
 
 sim.install()
+
+import sys
+from pathlib import Path
+
+# ``benchmarks/`` (the suite and the calibration kernels) is imported by tests from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -1,0 +1,57 @@
+"""A benchmark case and the record it produces."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel on one shape from a real model, beside the reference op it replaces.
+
+    ``make_inputs(seed)`` returns the kernel's positional arguments as NumPy arrays (the same
+    arrays feed the reference after conversion to torch); ``reference`` computes the same result
+    with PyTorch ops; ``kwargs`` are passed to the kernel unchanged.
+    """
+
+    name: str
+    kernel: Callable[..., Any]
+    make_inputs: Callable[[int], tuple]
+    shape: dict[str, int]
+    dtype: str
+    model: str
+    reference_name: str
+    reference: Callable[..., Any]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    grid: Any = None
+
+
+@dataclass
+class Record:
+    """What one case produced. ``modelled_*`` come from the cost model; ``measured_*`` only from a device."""
+
+    name: str
+    kernel: str
+    model: str
+    shape: dict[str, int]
+    dtype: str
+    target: str
+    reference: str
+    modelled_us: float
+    roofline_us: float
+    bound: str
+    pct_of_roofline: float
+    flops: int
+    tflops: float
+    pct_tensor_peak: float
+    hbm_bytes: int
+    hbm_gbps: float
+    pct_hbm_peak: float
+    sim_wall_s: float
+    instructions: int
+    measured_us: float | None = None
+    reference_measured_us: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,93 @@
+"""Running benchmark cases: simulate + model every case; on a Trainium host, also time it."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from .. import cost, sim
+from .case import Case, Record
+
+DEVICE_WARMUP = 3
+DEVICE_ITERATIONS = 20
+
+
+def device_available() -> bool:
+    """True on a Trainium host with TorchNeuron (``torch.neuron``) and a device to run on."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    neuron = getattr(torch, "neuron", None)
+    if neuron is None:
+        return False
+    is_available = getattr(neuron, "is_available", None)
+    return bool(is_available()) if callable(is_available) else True
+
+
+def _synchronize() -> None:
+    import torch
+
+    torch.neuron.synchronize()
+
+
+def _time_on_device(fn: Callable[[], object]) -> float:
+    """Mean µs per call after warm-up, synchronising the device around the timed loop."""
+    for _ in range(DEVICE_WARMUP):
+        fn()
+    _synchronize()
+    start = time.perf_counter()
+    for _ in range(DEVICE_ITERATIONS):
+        fn()
+    _synchronize()
+    return (time.perf_counter() - start) / DEVICE_ITERATIONS * 1e6
+
+
+def _measure(case: Case, inputs: tuple) -> tuple[float, float]:
+    import torch
+
+    device_inputs = [torch.as_tensor(x).to("neuron") if hasattr(x, "shape") else x for x in inputs]
+    kernel = case.kernel[case.grid] if case.grid is not None else case.kernel
+    measured = _time_on_device(lambda: kernel(*device_inputs, **case.kwargs))
+    reference = _time_on_device(lambda: case.reference(*device_inputs, **case.kwargs))
+    return measured, reference
+
+
+def run_case(case: Case, target: str = "trn2", seed: int = 0, on_device: bool | None = None) -> Record:
+    """Simulate the case, model it on ``target``, and time it on a device when one is present."""
+    inputs = case.make_inputs(seed)
+    start = time.perf_counter()
+    result = sim.run(case.kernel, *inputs, target=target, grid=case.grid, **case.kwargs)
+    wall = time.perf_counter() - start
+    report = cost.estimate_trace(result.trace, target)
+    record = Record(
+        name=case.name, kernel=getattr(case.kernel, "__name__", str(case.kernel)), model=case.model,
+        shape=dict(case.shape), dtype=case.dtype, target=report.target, reference=case.reference_name,
+        modelled_us=report.time_us, roofline_us=report.roofline_us, bound=report.bound,
+        pct_of_roofline=report.pct_of_roofline, flops=report.flops, tflops=report.tflops,
+        pct_tensor_peak=report.pct_tensor_peak, hbm_bytes=report.hbm_bytes, hbm_gbps=report.hbm_gbps,
+        pct_hbm_peak=report.pct_hbm_peak, sim_wall_s=wall, instructions=report.instructions,
+    )
+    if device_available() if on_device is None else on_device:
+        record.measured_us, record.reference_measured_us = _measure(case, inputs)
+    return record
+
+
+def run_suite(cases: Iterable[Case], target: str = "trn2", name_filter: str | None = None,
+              progress: bool = True) -> list[Record]:
+    """Run every case whose name contains ``name_filter``, with a progress bar."""
+    chosen = [c for c in cases if name_filter is None or name_filter.lower() in c.name.lower()]
+    if not chosen:
+        raise ValueError(f"no benchmark case matches filter {name_filter!r}")
+    if not progress:
+        return [run_case(c, target) for c in chosen]
+    from rich.progress import Progress
+
+    records = []
+    with Progress(transient=True) as bar:
+        task = bar.add_task("simulating + modelling", total=len(chosen))
+        for case in chosen:
+            bar.update(task, description=f"{case.name}")
+            records.append(run_case(case, target))
+            bar.advance(task)
+    return records
