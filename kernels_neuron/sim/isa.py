@@ -258,6 +258,9 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
         raise rule(instr, "dst/src", "element counts differ", dst=list(dst.shape), src=list(src.shape))
     if dge_mode == _DGE.hwdge and not runtime.current().target.has_hwdge:
         raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=runtime.current().target.name)
+    if dge_mode == _DGE.hwdge and src.dtype != dst.dtype:
+        raise rule(instr, "dge_mode", "hardware DGE cannot convert dtypes; view src as dst's dtype or use swdge",
+                   src=dtypes.name(src.dtype), dst=dtypes.name(dst.dtype))
     skip = oob_mode == _OOB.skip
     values, inside = _dma_read(src, instr, skip)
     if src.dtype != dst.dtype:
@@ -297,12 +300,23 @@ def dma_transpose(dst: Tensor, src: Tensor, axes: Sequence[int] | None = None, p
     if expected is None or axes != expected:
         raise rule(instr, "axes", "supported permutations are (1, 0), (2, 1, 0) and (3, 1, 2, 0)",
                    axes=axes, src_ndim=src.ndim)
+    if dge_mode == _DGE.hwdge:
+        if not runtime.current().target.has_hwdge:
+            raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer",
+                       target=runtime.current().target.name)
+        if src.shape[0] != 16 or src.shape[-1] % 128:
+            raise rule(instr, "src", "a hardware-DGE transpose needs src.shape[0] == 16 and src.shape[-1] % 128 == 0",
+                       shape=list(src.shape))
     skip = oob_mode == _OOB.skip
-    values, _ = _dma_read(src, instr, skip)
+    values, inside = _dma_read(src, instr, skip)
     values = np.transpose(values.reshape(src.shape), axes)
     if values.size != dst.size:
         raise rule(instr, "dst", "element count differs from the transposed src", dst=list(dst.shape),
                    transposed=list(values.shape))
+    if inside is not None and not inside.all():
+        # oob_mode=skip: elements gathered through an out-of-bounds index leave dst as it was.
+        keep = np.transpose(inside.reshape(src.shape), axes).reshape(dst.shape)
+        values = np.where(keep, values.reshape(dst.shape), np.asarray(dst.read()))
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record("dma", "dma_transpose", reads=[("src", src)], writes=[("dst", dst)],
                              bytes_moved=dst.nbytes, partitions=dst.partition_size,
@@ -322,7 +336,9 @@ def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name:
     _same_layout(instr, "dst", dst, "src", src)
     values = np.asarray(src.read())
     if src.dtype != dst.dtype:
-        values = dtypes.to_engine(values)
+        # Differing dtypes convert through an fp32 intermediate (ints too: 2**24 + 1 is lost, and
+        # out-of-range values saturate when written back as a narrower int rather than wrapping).
+        values = values.astype(np.float32)
     dst.write(values.reshape(dst.shape), instr)
     run.record(eng, "tensor_copy", reads=[("src", src)], writes=[("dst", dst)])
 
@@ -449,8 +465,12 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     if m > target.gemm_stationary_fmax:
         raise rule(instr, "stationary", "free size exceeds gemm_stationary_fmax", M=m,
                    limit=target.gemm_stationary_fmax)
-    if n > target.gemm_moving_fmax:
-        raise rule(instr, "moving", "free size exceeds gemm_moving_fmax", N=n, limit=target.gemm_moving_fmax)
+    moving_limit = target.gemm_moving_fmax
+    if target.generation >= 4 and d_dt == "bfloat16" and not is_transpose:
+        moving_limit *= 2  # NC-v4: the moving free size is bounded by all 8 PSUM banks, 8192 bf16 columns
+    if n > moving_limit:
+        raise rule(instr, "moving", "free size exceeds gemm_moving_fmax", N=n, limit=moving_limit,
+                   dst_dtype=d_dt, target=target.name)
     row_size, _ = _check_tiling(instr, tile_position, tile_size, target.generation, k, m)
     if dst.partition_size != m or dst.free_size != n:
         raise rule(instr, "dst", "shape must be [stationary free, moving free]", dst=list(dst.shape), expected=[m, n])
@@ -520,15 +540,20 @@ def _alu_apply(op: Op, a: Any, b: Any, reverse: bool = False) -> np.ndarray:
     return op.binary(b, a) if reverse else op.binary(a, b)
 
 
-def _check_bitvec(instr: str, ops: Sequence[Op], tiles: Sequence[Tensor]) -> None:
+def _check_bitvec(instr: str, ops: Sequence[Op], tiles: dict[str, Tensor]) -> None:
     kinds = {op.kind == "bitvec" for op in ops if op is not BYPASS}
     if len(kinds) > 1:
         raise rule(instr, "op0/op1", "both operators must be bitvec or both arithmetic",
                    ops=[op.name for op in ops])
     if True in kinds:
-        for t in tiles:
+        for role, t in tiles.items():
             if not _is_int(t):
-                raise rule(instr, t.name or "operand", "bitvec operators need integer tiles", dtype=dtypes.name(t.dtype))
+                raise rule(instr, role, "bitvec operators need integer tiles", op=ops[0].name,
+                           dtype=dtypes.name(t.dtype))
+
+
+_GPSIMD_INT_ALU = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
+                   "maximum": np.maximum, "minimum": np.minimum}
 
 
 def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: engine = engine.unknown,
@@ -549,8 +574,13 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: en
     _same_layout(instr, "data1", data1, "data2", data2)
     _same_layout(instr, "dst", dst, "data1", data1)
     _not_both_psum(instr, "data1", data1, "data2", data2)
-    _check_bitvec(instr, [alu], [dst, data1, data2])
-    result = _alu_apply(alu, _rows(data1), _rows(data2))
+    _check_bitvec(instr, [alu], {"data1": data1, "data2": data2, "dst": dst})
+    if eng == "gpsimd" and all_int32 and alu.name in _GPSIMD_INT_ALU:
+        # GpSimd's native 32-bit integer arithmetic: exact (no fp32 rounding above 2**24), and the
+        # int64 result wraps to 32 bits when written, as two's-complement hardware does.
+        result = _GPSIMD_INT_ALU[alu.name](_rows(data1), _rows(data2))
+    else:
+        result = _alu_apply(alu, _rows(data1), _rows(data2))
     dst.write(result.reshape(dst.shape), instr)
     runtime.current().record(eng, "tensor_tensor", reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)],
                              alu=alu.name, any_psum=any_psum,
@@ -577,7 +607,13 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
     data = _compute_tile(data, instr, "data", eng)
     _same_layout(instr, "dst", dst, "data", data)
     ops = [first] + ([second] if second else [])
-    _check_bitvec(instr, ops, [dst, data])
+    _check_bitvec(instr, ops, {"data": data, "dst": dst})
+    if first.kind != "bitvec":
+        # Arithmetic operators take float32 operands (a vector operand is not cast on the way in).
+        for role, operand in (("operand0", operand0), ("operand1", operand1)):
+            if isinstance(operand, Tensor) and dtypes.name(operand.dtype) != "float32":
+                raise rule(instr, role, "a vector operand of an arithmetic operator must be float32",
+                           dtype=dtypes.name(operand.dtype))
     parts = data.partition_size
     a0 = _scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, eng)
     values = _alu_apply(first, _rows(data), a0, reverse0)
@@ -1058,8 +1094,17 @@ def nc_match_replace8(dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_i
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
     rows = _rows(data).astype(np.float32).copy()
-    index = _find_first(rows, _rows(vals).astype(np.float32))
-    np.put_along_axis(rows, index, np.float32(imm), axis=1)
+    targets = _rows(vals).astype(np.float32)
+    index = np.zeros(targets.shape, dtype=np.int64)
+    lanes = np.arange(rows.shape[0])
+    # One value at a time, each searching the row as already replaced: a value repeated in
+    # ``vals`` (max8 of a row with a repeated maximum) consumes a distinct occurrence each time.
+    for j in range(targets.shape[1]):
+        hits = rows == targets[:, j:j + 1]
+        found = hits.any(axis=1)
+        first = hits.argmax(axis=1)
+        index[:, j] = np.where(found, first, 0)
+        rows[lanes[found], first[found]] = np.float32(imm)
     dst.write(rows.reshape(dst.shape), instr)
     if dst_idx is not None:
         dst_idx = _compute_tile(dst_idx, instr, "dst_idx", "vector")

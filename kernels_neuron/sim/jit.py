@@ -15,11 +15,16 @@ from typing import Any, Callable
 import numpy as np
 
 from . import dtypes, runtime
+from .errors import NkiValidationError
 from .targets import Target, resolve
 from .tensor import Tensor
 from .trace import Trace
 
 _captures = threading.local()
+
+
+class KernelInterfaceError(NkiValidationError, TypeError):
+    """A kernel's arguments or return value break NKI's calling rules (also a ``TypeError``)."""
 
 
 @dataclass
@@ -50,6 +55,10 @@ class Kernel:
         return Kernel(self.func, tuple(int(g) for g in grid), **self.options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if runtime.active() is not None and self.grid is None:
+            # A jit kernel called from inside a running kernel is inlined, as the compiler does:
+            # same run, same memory accounting, same trace.
+            return self.func(*args, **kwargs)
         return launch(self, args, kwargs).outputs
 
     def __repr__(self) -> str:
@@ -130,9 +139,9 @@ def _to_hbm(rt: runtime.Run, value: Any, name: str) -> Any:
         value = _torch_to_numpy(value)
     if isinstance(value, np.ndarray):
         if value.dtype == np.float64 or value.dtype == np.int64:
-            raise TypeError(
-                f"kernel argument {name!r} is {value.dtype}, which NKI has no engine support for; "
-                "pass float32/bfloat16/int32 data"
+            raise KernelInterfaceError(
+                f"nki.jit: argument {name!r}: dtype {value.dtype} has no NKI engine support "
+                f"(shape={list(value.shape)}); pass float32/bfloat16/int32 data"
             )
         if not value.flags.writeable:
             value = value.copy()
@@ -172,8 +181,14 @@ def _from_hbm(value: Any, torch_out: bool) -> Any:
         return {k: _from_hbm(v, torch_out) for k, v in value.items()}
     if isinstance(value, Tensor):
         if value.on_chip:
-            raise TypeError(
-                f"kernels return HBM tensors; {value!r} is on chip: dma_copy it into an nl.shared_hbm tensor first"
+            raise KernelInterfaceError(
+                f"nki.jit: return value: {value!r} is in {value.buffer.upper()}; kernels return HBM tensors: "
+                "dma_copy it into an nl.shared_hbm tensor first"
+            )
+        if value.buffer != "shared_hbm":
+            raise KernelInterfaceError(
+                f"nki.jit: return value: {value!r} is in private HBM ({value.buffer}); kernel outputs "
+                "must be allocated with buffer=nl.shared_hbm"
             )
         array = np.array(value.read(), copy=True)
         return _numpy_to_torch(array) if torch_out else array

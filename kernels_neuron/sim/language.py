@@ -18,7 +18,7 @@ from .dtypes import (  # noqa: F401  (re-exported: nl.float32 etc.)
     bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4, float8_e5m2,
     float8_e5m2_x4, float16, float32, int8, int16, int32, tfloat32, uint8, uint16, uint32,
 )
-from .errors import NkiValidationError, rule
+from .errors import rule
 from .targets import resolve as _resolve_target
 from .tensor import DynSlice, Tensor
 
@@ -199,8 +199,8 @@ def program_id(axis: int = 0) -> int:
     return run.program_id[axis]
 
 
-def num_programs(axes: Any = None) -> int:
-    """Programs along ``axes`` of the launch grid (all of them when ``axes`` is None)."""
+def num_programs(axes: Any = 0) -> int:
+    """Programs along ``axes`` of the launch grid (axis 0 by default, as in NKI; None: all of them)."""
     grid = runtime.current().grid
     if axes is None:
         return int(np.prod(grid))
@@ -304,7 +304,8 @@ def _assign(dst: Tensor, value: Any) -> None:
     elif dst.on_chip:
         isa.memset(dst, value)
     else:
-        raise NkiValidationError(f"cannot assign a constant to HBM tensor {dst!r}; memset an SBUF tile and store it")
+        raise rule("tensor assignment", "dst", f"cannot assign a constant to HBM tensor {dst!r}; "
+                   "memset an SBUF tile and dma_copy it", value=value)
 
 
 def _accumulate_into(dst: Tensor, value: Any) -> None:
@@ -350,6 +351,13 @@ def _is_column(t: Tensor, parts: int) -> bool:
     return t.ndim >= 2 and t.shape[0] == parts and all(s == 1 for s in t.shape[1:])
 
 
+def _column_operand(column: Tensor, op: ops.Op) -> Tensor:
+    """tensor_scalar's arithmetic operators take fp32 vector operands: copy-cast others first."""
+    if op.kind == "bitvec" or dtypes.name(column.dtype) == "float32":
+        return column
+    return _to_sbuf(column, float32)
+
+
 def _binary(op: ops.Op, x: Any, y: Any, dtype: Any = None) -> Any:
     if not isinstance(x, Tensor) and not isinstance(y, Tensor):
         return op.binary(np.float32(x), np.float32(y)).item()
@@ -362,11 +370,11 @@ def _binary(op: ops.Op, x: Any, y: Any, dtype: Any = None) -> Any:
     shape = np.broadcast_shapes(x.shape, y.shape)
     if x.shape == shape and y.shape != shape and _is_column(y, shape[0]):
         out = ndarray(shape, out_dtype, buffer=sbuf)
-        isa.tensor_scalar(out, x, op, y)
+        isa.tensor_scalar(out, x, op, _column_operand(y, op))
         return out
     if y.shape == shape and x.shape != shape and _is_column(x, shape[0]):
         out = ndarray(shape, out_dtype, buffer=sbuf)
-        isa.tensor_scalar(out, y, op, x, reverse0=True)
+        isa.tensor_scalar(out, y, op, _column_operand(x, op), reverse0=True)
         return out
     out = ndarray(shape, out_dtype, buffer=sbuf)
     isa.tensor_tensor(out, x.broadcast_to(shape), y.broadcast_to(shape), op)

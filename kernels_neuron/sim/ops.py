@@ -117,7 +117,7 @@ ARITH = {
     "minimum": Op("minimum", binary=_fp32(np.minimum), identity=np.inf),
     "power": Op("power", binary=_fp32(np.power)),
     "abs_max": Op("abs_max", binary=_fp32(_abs_pick(True)), identity=0.0),
-    "abs_min": Op("abs_min", binary=_fp32(_abs_pick(False))),
+    "abs_min": Op("abs_min", binary=_fp32(_abs_pick(False)), identity=np.inf),
     "fmod": Op("fmod", binary=_fp32(np.fmod)),
     "mod": Op("mod", binary=_fp32(np.mod)),
 }

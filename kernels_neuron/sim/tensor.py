@@ -29,7 +29,8 @@ class DynSlice:
     step: int = 1
 
     def as_slice(self) -> slice:
-        return slice(self.start, self.start + self.size * self.step, self.step)
+        # Stop just past the last element, so a stepped slice ending at the edge stays in bounds.
+        return slice(self.start, self.start + (self.size - 1) * self.step + 1, self.step)
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,14 @@ class Indirect:
 
     def flat_offsets(self, size: int, instruction: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray]:
         """Offsets into the flattened allocation and a mask of the in-bounds ones."""
-        rows = np.asarray(self.index.read()).reshape(-1).astype(np.int64)
+        # A [P, N] index tile is read column by column (indices.T.flatten()), as a gather-transpose
+        # with N > 1 index columns consumes it; for the usual [P, 1] tile the order is the same.
+        rows = np.asarray(self.index.read()).T.reshape(-1).astype(np.int64)
         if rows.size < self.nums[self.dim]:
             raise rule(instruction, "vector_offset", "fewer indices than the indirect dim's extent",
                        indices=rows.size, extent=self.nums[self.dim])
-        grids = np.meshgrid(*[np.arange(n) for n in self.nums], indexing="ij")
+        rows = rows[: self.nums[self.dim]]
+        grids = list(np.meshgrid(*[np.arange(n) for n in self.nums], indexing="ij"))  # NumPy 2 returns a tuple
         grids[self.dim] = rows[grids[self.dim]]
         offsets = self.start + sum(g * s for g, s in zip(grids, self.steps))
         inside = (offsets >= 0) & (offsets < size)
@@ -174,8 +178,17 @@ class Tensor:
         return self._written_view()
 
     # -- indexing ---------------------------------------------------------------------------
+    def _direct(self, what: str) -> None:
+        """Views of an indirect (vector_offset) access pattern would lose the per-row indices."""
+        if self._indirect is not None:
+            raise rule(what, repr(self), "an indirect (vector_offset) access pattern cannot be viewed further; "
+                       "put the whole access in the .ap() pattern")
+
     def __getitem__(self, key: Any) -> "Tensor":
-        return Tensor(self._buf, self._view[self._normalize_key(key)], self._dtype)
+        self._direct("index")
+        # The trailing Ellipsis keeps an all-integer index a 0-d *view* (NumPy would return a
+        # detached scalar, and writes through it would be lost).
+        return Tensor(self._buf, self._view[self._normalize_key(key) + (Ellipsis,)], self._dtype)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         from . import language  # the assignment is a real instruction: copy or memset
@@ -219,6 +232,7 @@ class Tensor:
 
     # -- views ------------------------------------------------------------------------------
     def reshape(self, *shape: Any) -> "Tensor":
+        self._direct("reshape")
         shape = _shape_arg(shape)
         shape = _resolve_shape(shape, self.size)
         try:
@@ -234,6 +248,7 @@ class Tensor:
 
     def view(self, dtype: Any) -> "Tensor":
         """Reinterpret the bits as ``dtype`` (the last dimension scales by the size ratio)."""
+        self._direct("view")
         new = dtypes.canonical(dtype)
         try:
             view = self._view.view(dtypes.storage(new))
@@ -242,6 +257,7 @@ class Tensor:
         return Tensor(self._buf, view, new)
 
     def permute(self, *dims: Any) -> "Tensor":
+        self._direct("permute")
         dims = _shape_arg(dims)
         if sorted(dims) != list(range(self.ndim)):
             raise ValueError(f"permute: {dims} is not a permutation of {self.ndim} dims")
@@ -250,6 +266,7 @@ class Tensor:
         return Tensor(self._buf, np.transpose(self._view, dims), self._dtype)
 
     def broadcast_to(self, shape: Sequence[int]) -> "Tensor":
+        self._direct("broadcast_to")
         shape = tuple(int(s) for s in shape)
         try:
             view = np.broadcast_to(self._view, shape)
@@ -266,7 +283,8 @@ class Tensor:
         return self.broadcast_to(shape)
 
     def expand_dims(self, axis: int) -> "Tensor":
-        if self.on_chip and axis == 0:
+        self._direct("expand_dims")
+        if self.on_chip and int(axis) % (self.ndim + 1) == 0:
             raise rule("expand_dims", repr(self), "axis 0 is the partition dim of an on-chip tensor")
         return Tensor(self._buf, np.expand_dims(self._view, axis), self._dtype)
 
@@ -274,9 +292,10 @@ class Tensor:
         return self.expand_dims(dim)
 
     def squeeze_dim(self, dim: int) -> "Tensor":
+        self._direct("squeeze_dim")
         if self.shape[dim] != 1:
             raise ValueError(f"squeeze_dim: dim {dim} of {list(self.shape)} has size {self.shape[dim]}, not 1")
-        if self.on_chip and dim == 0:
+        if self.on_chip and int(dim) % self.ndim == 0:
             raise rule("squeeze_dim", repr(self), "axis 0 is the partition dim of an on-chip tensor")
         return Tensor(self._buf, np.squeeze(self._view, dim), self._dtype)
 
@@ -288,10 +307,10 @@ class Tensor:
 
     def select(self, dim: int, index: int) -> "Tensor":
         """Drop dimension ``dim`` by taking element ``index`` of it."""
-        if self.on_chip and dim == 0:
+        if self.on_chip and int(dim) % self.ndim == 0:
             raise rule("select", repr(self), "cannot drop the partition dim of an on-chip tensor")
         key: list[Any] = [slice(None)] * self.ndim
-        key[dim] = int(index)
+        key[dim] = _scalar_value(index)  # an int, a register, or a one-element tile read now
         return self[tuple(key)]
 
     def flatten_dims(self, start_dim: int, end_dim: int) -> "Tensor":
