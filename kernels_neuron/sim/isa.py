@@ -9,6 +9,7 @@ the run's trace.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -32,7 +33,22 @@ __all__ = [
 ]
 
 
-class engine(enum.Enum):
+class _NkiEnum(enum.Enum):
+    """An NKI enum that also accepts its member's name (any case) or declaration index."""
+
+    @classmethod
+    def _missing_(cls, value: object):
+        members = list(cls)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(members):
+            return members[value]
+        if isinstance(value, str):
+            for member in members:
+                if member.name == value.lower():
+                    return member
+        return None
+
+
+class engine(_NkiEnum):
     tensor = "tensor"
     vector = "vector"
     scalar = "scalar"
@@ -46,7 +62,7 @@ tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
     engine.tensor, engine.vector, engine.scalar, engine.gpsimd, engine.unknown)
 
 
-class reduce_cmd(enum.Enum):
+class reduce_cmd(_NkiEnum):
     idle = "idle"
     reset = "reset"
     reduce = "reduce"
@@ -54,30 +70,36 @@ class reduce_cmd(enum.Enum):
     load_reduce = "load_reduce"
 
 
-class dge_mode(enum.Enum):
+class dge_mode(_NkiEnum):
     unknown = "unknown"
     swdge = "swdge"
     hwdge = "hwdge"
     none = "none"
 
 
-class oob_mode(enum.Enum):
+class oob_mode(_NkiEnum):
     error = "error"
     skip = "skip"
 
 
-class matmul_perf_mode(enum.Enum):
+class matmul_perf_mode(_NkiEnum):
     none = "none"
     double_row = "double_row"
 
 
-class nc_version(enum.Enum):
+@functools.total_ordering
+class nc_version(_NkiEnum):
     gen2 = "gen2"
     gen3 = "gen3"
     gen4 = "gen4"
 
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, nc_version):
+            return NotImplemented
+        return int(self.value[3:]) < int(other.value[3:])
 
-class dma_engine(enum.Enum):
+
+class dma_engine(_NkiEnum):
     dma = "dma"
     gpsimd_dma = "gpsimd_dma"
 
@@ -191,7 +213,7 @@ def _scalar_or_vector(x: Any, instr: str, role: str, parts: int, eng: str) -> np
 
 
 def _engine(requested: Any, instr: str, allowed: Sequence[str], default: str) -> str:
-    name = requested.value if isinstance(requested, engine) else (requested or "unknown")
+    name = engine(requested if requested is not None else "unknown").value
     if name == "unknown":
         return default
     if name not in allowed:
@@ -249,6 +271,7 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
              dge_mode: dge_mode = dge_mode.unknown, engine: engine = engine.unknown, name: str | None = None) -> None:
     """Copy ``src`` to ``dst`` with a DMA engine (HBM or SBUF on either side), casting via fp32."""
     instr = "nisa.dma_copy"
+    dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
     dst, src = _tile(dst, instr, "dst"), _tile(src, instr, "src")
     for role, t in (("dst", dst), ("src", src)):
         _where(t, instr, role, ("hbm", "sbuf"))
@@ -288,6 +311,7 @@ def dma_transpose(dst: Tensor, src: Tensor, axes: Sequence[int] | None = None, p
                   name: str | None = None) -> None:
     """Transpose with the DMA engine: ``(1, 0)``, ``(2, 1, 0)`` or ``(3, 1, 2, 0)`` of 2-byte data."""
     instr = "nisa.dma_transpose"
+    dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
     dst, src = _tile(dst, instr, "dst"), _tile(src, instr, "src")
     _where(dst, instr, "dst", ("sbuf",))
     _where(src, instr, "src", ("hbm", "sbuf"))
@@ -434,7 +458,7 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     if {s_dt, m_dt} == {"float8_e4m3", "float8_e4m3fn"}:
         raise rule(instr, "stationary/moving", "legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed")
     d_dt = dtypes.name(dst.dtype)
-    double_row = perf_mode == matmul_perf_mode.double_row
+    double_row = matmul_perf_mode(perf_mode) == matmul_perf_mode.double_row
     if is_transpose:
         if d_dt != s_dt:
             raise rule(instr, "dst", "a transpose writes the stationary dtype", dst=d_dt, stationary=s_dt)
@@ -588,6 +612,18 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: en
 
 
 _SCALAR_ENGINE_COMBOS = {("multiply", "add"), ("multiply", None), ("add", None)}
+# Engines that implement each restricted ALU operator (AWS's NKI operator table); others run anywhere.
+ALU_OP_ENGINES = {"rsqrt": ("gpsimd", "scalar"), "power": ("gpsimd",), "reciprocal": ("vector", "scalar"),
+                  "abs": ("vector", "scalar")}
+
+
+def _alu_engines(instr: str, ops: Sequence[Op], candidates: Sequence[str]) -> list[str]:
+    allowed = list(candidates)
+    for op in ops:
+        allowed = [e for e in allowed if e in ALU_OP_ENGINES.get(op.name, candidates)]
+    if not allowed:
+        raise rule(instr, "op", "no engine implements this operator combination", ops=[op.name for op in ops])
+    return allowed
 
 
 def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: bool = False, op1: Any = None,
@@ -599,10 +635,13 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
     second = as_alu(op1, instr, "op1") if op1 is not None else None
     if (op1 is None) != (operand1 is None) and not (second is not None and second.name in ("abs", "bypass")):
         raise rule(instr, "op1/operand1", "set both or neither")
-    eng = _engine(engine, instr, ("vector", "scalar", "gpsimd"), "vector")
-    if eng == "scalar" and (first.name, second.name if second else None) not in _SCALAR_ENGINE_COMBOS:
-        raise rule(instr, "engine", "ScalarE supports only multiply+add, multiply, or add",
-                   op0=first.name, op1=second.name if second else None)
+    pair = (first.name, second.name if second else None)
+    allowed = _alu_engines(instr, [first] + ([second] if second else []), ("vector", "scalar", "gpsimd"))
+    # Like the compiler: VectorE when it can, else GpSimd, else ScalarE for the pairs it supports.
+    usable = [e for e in ("vector", "gpsimd", "scalar") if e in allowed and (e != "scalar" or pair in _SCALAR_ENGINE_COMBOS)]
+    eng = _engine(engine, instr, allowed, usable[0] if usable else allowed[0])
+    if eng == "scalar" and pair not in _SCALAR_ENGINE_COMBOS:
+        raise rule(instr, "engine", "ScalarE supports only multiply+add, multiply, or add", op0=pair[0], op1=pair[1])
     dst = _compute_tile(dst, instr, "dst", eng)
     data = _compute_tile(data, instr, "data", eng)
     _same_layout(instr, "dst", dst, "data", data)
@@ -733,6 +772,7 @@ def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None
 def _accumulate(registers: np.ndarray, parts: int, cmd: reduce_cmd, op: Op, values: np.ndarray,
                 init: Any, instr: str) -> None:
     """Apply a reduce_cmd to per-lane accumulator registers (in place)."""
+    cmd = _CMD(cmd)
     identity = op.identity if op.identity is not None else 0.0
     lane = registers[:parts]
     if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
@@ -814,6 +854,7 @@ def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0:
     parts = src.partition_size
     run = runtime.current()
     lanes = run.vector_accumulator[:parts]
+    reduce_cmd = _CMD(reduce_cmd)
     if reduce_cmd == _CMD.reset_reduce:
         lanes[:] = second.identity if second.identity is not None else 0.0
     elif reduce_cmd == _CMD.load_reduce:
@@ -863,6 +904,7 @@ def activation(dst: Tensor, op: Any, data: Tensor, bias: Any = None, scale: Any 
     dst.write(values.reshape(dst.shape), instr)
     run = runtime.current()
     red = None
+    reduce_cmd = _CMD(reduce_cmd)
     if reduce_op is not None or reduce_cmd != _CMD.idle:
         red = as_alu(reduce_op if reduce_op is not None else _OPS["add"], instr, "reduce_op")
         if red.name != "add":
@@ -1206,7 +1248,7 @@ def exponential(dst: Tensor, src: Tensor, max_value: Any = 0.0, reduce_res: Tens
     with np.errstate(all="ignore"):
         values = np.exp(_rows(src).astype(np.float32) - shift).astype(np.float32)
     dst.write(values.reshape(dst.shape), instr)
-    if reduce_cmd != _CMD.idle:
+    if _CMD(reduce_cmd) != _CMD.idle:
         _accumulate(run.vector_accumulator, parts, reduce_cmd, _OPS["add"],
                     dtypes.to_engine(dtypes.cast(values, dst.dtype)), reduce_init, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")

@@ -104,9 +104,15 @@ def _check_alloc(shape: Sequence[int], buffer: str, what: str) -> tuple[int, ...
     return shape
 
 
-def ndarray(shape: Sequence[int], dtype: Any, buffer: str | None = None, name: str = "", address: Any = None) -> Tensor:
-    """A new tensor of ``shape``/``dtype`` in ``buffer`` (SBUF by default), uninitialized (NaN)."""
+def ndarray(shape: Sequence[int], dtype: Any, buffer: str | None = None, name: str | None = "",
+            address: Any = None) -> Tensor:
+    """A new tensor of ``shape``/``dtype`` in ``buffer`` (SBUF by default), uninitialized (NaN).
+
+    ``address`` (a compiler placement hint) is accepted and ignored: the simulator allocates
+    every tensor separately.
+    """
     buffer = sbuf if buffer is None else buffer
+    name = name or ""
     shape = _check_alloc(shape, buffer, "nl.ndarray")
     return Tensor(runtime.current().allocate(shape, dtypes.canonical(dtype), buffer, name))
 
@@ -189,6 +195,23 @@ def static_range(start: Any, stop: Any = None, step: int = 1) -> range:
 def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> range:
     """Loop with bounds from registers (``nisa.register_alloc``) or ints."""
     return _range(start, stop, step)
+
+
+def fori_loop(lower: Any, upper: Any, body: Any) -> None:
+    """Run ``body(i)`` for ``i`` in ``[lower, upper)`` (NKI 0.6's dynamic loop)."""
+    for i in range(int(lower), int(upper)):
+        body(i)
+
+
+def while_loop(condition: Any, body: Any) -> None:
+    """Run ``condition = body()`` while ``condition`` (a register or int) is non-zero."""
+    while int(condition):
+        condition = body()
+
+
+def par_dim(size: int) -> int:
+    """Mark a shape entry as the partition dim (older NKI); the partition dim is always dim 0 now."""
+    return size
 
 
 def program_id(axis: int = 0) -> int:

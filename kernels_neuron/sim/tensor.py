@@ -112,6 +112,36 @@ class Tensor:
         return self._view.size * dtypes.itemsize(self._dtype)
 
     @property
+    def strides(self) -> tuple[int, ...]:
+        """Element strides of this view within its allocation (0 where broadcast)."""
+        item = self._view.itemsize
+        return tuple(st // item for st in self._view.strides)
+
+    @property
+    def offset(self) -> int:
+        """Element offset of this view's first element from the start of its allocation."""
+        base = self._buf.data.__array_interface__["data"][0]
+        return (self._view.__array_interface__["data"][0] - base) // self._view.itemsize
+
+    def get_pattern(self) -> list[list[int]]:
+        """This view as an access pattern ``[[step, num], ...]`` (pass it back to ``.ap``)."""
+        return [[step, num] for step, num in zip(self.strides, self.shape)]
+
+    def is_contiguous(self) -> bool:
+        """Whether the free dims (and, in HBM, all dims) are laid out densely in row-major order."""
+        shape, strides = (self.shape[1:], self.strides[1:]) if self.on_chip else (self.shape, self.strides)
+        expected = 1
+        for n, st in zip(reversed(shape), reversed(strides)):
+            if n != 1 and st != expected:
+                return False
+            expected *= n
+        return True
+
+    def is_indirect(self) -> bool:
+        """Whether this is a ``vector_offset`` access whose rows are chosen at run time."""
+        return self._indirect is not None
+
+    @property
     def on_chip(self) -> bool:
         return self._buf.on_chip
 
@@ -256,9 +286,14 @@ class Tensor:
             raise NkiValidationError(f"view: cannot reinterpret {self!r} as {dtypes.name(new)}: {exc}") from exc
         return Tensor(self._buf, view, new)
 
-    def permute(self, *dims: Any) -> "Tensor":
+    def reinterpret_cast(self, dtype: Any) -> "Tensor":
+        """The same as :meth:`view`."""
+        return self.view(dtype)
+
+    def permute(self, *args: Any, dims: Sequence[int] | None = None) -> "Tensor":
+        """Reorder dimensions: ``t.permute(0, 2, 1)``, ``t.permute((0, 2, 1))`` or ``t.permute(dims=[0, 2, 1])``."""
         self._direct("permute")
-        dims = _shape_arg(dims)
+        dims = _shape_arg(args if dims is None else (tuple(dims),))
         if sorted(dims) != list(range(self.ndim)):
             raise ValueError(f"permute: {dims} is not a permutation of {self.ndim} dims")
         if self.on_chip and dims[0] != 0:

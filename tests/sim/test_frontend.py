@@ -264,3 +264,93 @@ def test_a_jit_kernel_called_inside_a_kernel_is_inlined():
     assert [i.op for i in result.trace] == ["dma_copy", "tensor_scalar", "dma_copy", "dma_copy", "tensor_scalar",
                                             "dma_copy"]
     assert result.trace.target == "trn1"
+
+
+# --- API surface nki-library kernels rely on --------------------------------------------------
+
+@sim.jit
+def _enum_spellings(x):
+    t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x, dge_mode=3)  # nki-library passes the raw int for dge_mode.none
+    acc = nl.ndarray((x.shape[1], x.shape[1]), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(acc, t, t, perf_mode="none")
+    nisa.activation(dst=t, op=nl.copy, data=t, reduce_cmd="idle")
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=t, dge_mode=nisa.dge_mode.none, oob_mode="error")
+    return out
+
+
+def test_enum_arguments_accept_members_names_and_indices():
+    x = np.arange(128 * 16, dtype=np.float32).reshape(128, 16)
+    np.testing.assert_array_equal(_enum_spellings(x), x)
+    assert nisa.dge_mode(3) is nisa.dge_mode.none and nisa.matmul_perf_mode("double_row") is nisa.matmul_perf_mode.double_row
+    with pytest.raises(ValueError):
+        nisa.dge_mode("warp")
+
+
+def test_nc_version_is_ordered():
+    assert nisa.nc_version.gen2 < nisa.nc_version.gen3 < nisa.nc_version.gen4
+    assert nisa.nc_version.gen4 >= nisa.nc_version.gen3
+
+
+@sim.jit
+def _view_facts(x):
+    t = nl.ndarray((128, 4, 8), nl.float32, buffer=nl.sbuf, name=None, address=(0, 0))
+    v = t[:, 1:3, ::2].permute(dims=[0, 2, 1])
+    facts = {"strides": v.strides, "offset": v.offset, "pattern": v.get_pattern(),
+             "contiguous": (t.is_contiguous(), v.is_contiguous()), "indirect": v.is_indirect(),
+             "cast": t.reinterpret_cast(nl.bfloat16).shape, "par_dim": nl.par_dim(7)}
+    return facts
+
+
+def test_view_introspection():
+    facts = _view_facts(np.zeros((1, 1), np.float32))
+    assert facts["strides"] == (32, 2, 8) and facts["offset"] == 8
+    assert facts["pattern"] == [[32, 128], [2, 4], [8, 2]]
+    assert facts["contiguous"] == (True, False) and facts["indirect"] is False
+    assert facts["cast"] == (128, 4, 16) and facts["par_dim"] == 7
+
+
+@sim.jit
+def _loops(x):
+    t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    nl.fori_loop(0, 3, lambda i: nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=1.0))
+    remaining = [2]
+
+    def body():
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+        remaining[0] -= 1
+        return remaining[0]
+
+    nl.while_loop(nisa.register_alloc(1), body)
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+def test_fori_loop_and_while_loop():
+    x = np.zeros((128, 4), np.float32)
+    np.testing.assert_array_equal(_loops(x), np.full((128, 4), 12.0, np.float32))  # (0+3)*2*2
+
+
+@sim.jit
+def _rsqrt_engine(x, explicit):
+    t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    if explicit:
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.rsqrt, operand0=0.0, engine=nisa.engine.vector)
+    else:
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.rsqrt, operand0=0.0)
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+def test_alu_operators_run_only_on_the_engines_that_implement_them():
+    x = np.full((128, 4), 4.0, np.float32)
+    result = sim.run(_rsqrt_engine, x, False)
+    np.testing.assert_allclose(result.outputs, 0.5)
+    assert [i.engine for i in result.trace if i.op == "tensor_scalar"] == ["gpsimd"]
+    with pytest.raises(sim.NkiValidationError, match="vector cannot run this instruction"):
+        _rsqrt_engine(x, True)
