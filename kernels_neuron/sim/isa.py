@@ -810,8 +810,8 @@ def tensor_scalar_reduce(dst: Tensor, data: Tensor, op0: Any, operand0: Any, red
     a0 = _scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, "vector")
     values = np.broadcast_to(_alu_apply(first, _rows(data), a0, reverse0), (parts, data.free_size))
     dst.write(values.reshape(dst.shape), instr)
-    # The reduction sees what was written: the result rounded to dst's dtype.
-    stored = dtypes.to_engine(dtypes.cast(values, dst.dtype))
+    # Engines accumulate their fp32 results; only the write to dst rounds.
+    stored = np.asarray(values, dtype=np.float32)
     run = runtime.current()
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, stored, reduce_init, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
@@ -909,7 +909,7 @@ def activation(dst: Tensor, op: Any, data: Tensor, bias: Any = None, scale: Any 
         red = as_alu(reduce_op if reduce_op is not None else _OPS["add"], instr, "reduce_op")
         if red.name != "add":
             raise rule(instr, "reduce_op", "ScalarE reduces with nl.add only", op=red.name)
-        stored = dtypes.to_engine(dtypes.cast(values, dst.dtype))
+        stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
         _accumulate(run.scalar_accumulator, data.partition_size, reduce_cmd, red, stored, None, instr)
     _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
     run.record("scalar", "activation", reads=_reads(data=data, bias=bias, scale=scale),
@@ -929,7 +929,7 @@ def activation_reduce(dst: Tensor, op: Any, data: Tensor, reduce_op: Any, reduce
     _same_layout(instr, "dst", dst, "data", data)
     values = _activation_values(instr, fn, data, bias, scale)
     dst.write(values.reshape(dst.shape), instr)
-    stored = dtypes.to_engine(dtypes.cast(values, dst.dtype))
+    stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
     _accumulate(run.scalar_accumulator, data.partition_size, _CMD.reset_reduce, red, stored, None, instr)
     _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
     run.record("scalar", "activation", reads=_reads(data=data, bias=bias, scale=scale),
@@ -967,7 +967,7 @@ def activate2(dst: Tensor, op: Any, data: Tensor, imm0: Any, imm1: Any, op0: Any
         red = as_alu(reduce_op, instr, "reduce_op")
         if red.name not in ("add", "maximum", "minimum", "abs_max", "abs_min"):
             raise rule(instr, "reduce_op", "must be add, maximum, minimum, abs_max or abs_min", op=red.name)
-        _accumulate(run.scalar_accumulator, parts, reduce_cmd, red, dtypes.to_engine(dtypes.cast(values, dst.dtype)),
+        _accumulate(run.scalar_accumulator, parts, reduce_cmd, red, np.asarray(values, dtype=np.float32),
                     None, instr)
     _read_out(reduce_res, run.scalar_accumulator, parts, instr, "scalar")
     run.record("scalar", "activation", reads=_reads(data=data, imm0=imm0, imm1=imm1),
@@ -1250,7 +1250,7 @@ def exponential(dst: Tensor, src: Tensor, max_value: Any = 0.0, reduce_res: Tens
     dst.write(values.reshape(dst.shape), instr)
     if _CMD(reduce_cmd) != _CMD.idle:
         _accumulate(run.vector_accumulator, parts, reduce_cmd, _OPS["add"],
-                    dtypes.to_engine(dtypes.cast(values, dst.dtype)), reduce_init, instr)
+                    np.asarray(values, dtype=np.float32), reduce_init, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
     run.record("vector", "exponential", reads=_reads(src=src, max_value=max_value),
                writes=_reads(dst=dst, reduce_res=reduce_res))

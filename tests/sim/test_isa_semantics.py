@@ -1878,3 +1878,24 @@ def test_activate2_reduce_ops_reset_to_their_identity(name, ref):
         return r
 
     np.testing.assert_allclose(run(body, x, target="trn3")[:, 0], ref(f64(x)), rtol=1e-6)
+
+
+@nki.jit
+def _reduce_into_bf16_dst(x):
+    t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    squares = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.sbuf)
+    total = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+    nisa.activation_reduce(dst=squares, op=nl.square, data=t, reduce_op=nl.add, reduce_res=total)
+    out = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=total)
+    return out
+
+
+def test_engine_reductions_accumulate_fp32_results_not_the_rounded_writes():
+    x = (1.0 + np.arange(128 * 64, dtype=np.float32).reshape(128, 64) * 1e-3).astype(np.float32)
+    got = _reduce_into_bf16_dst(x)[:, 0]
+    fp32_sum = (x.astype(np.float32) ** 2).sum(axis=1, dtype=np.float32)
+    rounded_sum = (x.astype(np.float32) ** 2).astype(ml_dtypes.bfloat16).astype(np.float32).sum(axis=1)
+    np.testing.assert_allclose(got, fp32_sum, rtol=1e-6)
+    assert np.abs(got - rounded_sum).max() > 1e-3  # the two readings really differ here
