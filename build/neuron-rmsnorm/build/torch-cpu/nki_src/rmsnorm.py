@@ -1,0 +1,218 @@
+"""RMSNorm forward and backward for Trainium, in NKI.
+
+Three weight conventions, matching the transformers modules they replace:
+
+- ``"llama"`` (Llama, Qwen2/3, Mistral, Mixtral, Phi3, Granite ...): normalise in fp32, round to
+  the input dtype, then multiply by the weight: ``w * (x * rstd).to(x.dtype)``;
+- ``"gemma"`` (Gemma, Gemma2, Gemma3): ``(x * rstd * (1 + w)).to(x.dtype)`` in fp32;
+- ``"fp32_multiply"`` (OLMo2): ``(x * rstd * w).to(x.dtype)`` in fp32.
+
+``rstd = 1 / sqrt(mean(x**2) + eps)`` per row is returned for the backward.
+
+Dimensions
+    N: rows (tokens), any count; a ragged last tile of fewer than 128 rows is handled.
+    H: hidden size, MIN_HIDDEN..MAX_HIDDEN, any value (not only multiples of 128).
+
+Tiling plan
+    Rows go 128 to a tile, one row per partition. A tile's rows stay in SBUF while the free dim
+    is processed in chunks of at most FREE_CHUNK elements: ScalarE squares each chunk and keeps
+    a running sum in its reduce registers (``reduce_cmd``), so the whole row is read from HBM once.
+    The weight is broadcast to all 128 partitions once per kernel by a single DMA.
+
+Engine plan (forward)
+    DMA: x in, out and rstd out. ScalarE: sum of squares (one pass) and rsqrt. VectorE: the
+    normalise-and-scale pass (two instructions for "llama", which must round between them; one
+    fused scalar_tensor_tensor for the fp32 conventions).
+"""
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+P = 128
+FREE_CHUNK = 2048
+SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and constants
+MIN_HIDDEN = 64
+MAX_HIDDEN = 16384
+CONVENTIONS = ("llama", "gemma", "fp32_multiply")
+
+
+def _chunks(total, size):
+    for start in range(0, total, size):
+        yield start, min(size, total - start)
+
+
+def check_shapes(x_shape, weight_shape, convention):
+    """Raise ValueError naming the op, the shape and the limit when the kernel cannot take them."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"rmsnorm: convention {convention!r} is not one of {CONVENTIONS}")
+    if len(x_shape) != 2:
+        raise ValueError(f"rmsnorm: x must be 2-D [rows, hidden], got shape {tuple(x_shape)}")
+    rows, hidden = x_shape
+    if rows < 1:
+        raise ValueError(f"rmsnorm: x has no rows (shape {tuple(x_shape)})")
+    if not MIN_HIDDEN <= hidden <= MAX_HIDDEN:
+        raise ValueError(
+            f"rmsnorm: hidden size {hidden} is outside the supported range {MIN_HIDDEN}..{MAX_HIDDEN}"
+        )
+    if tuple(weight_shape) != (hidden,):
+        raise ValueError(f"rmsnorm: weight shape {tuple(weight_shape)} does not match hidden size {hidden}")
+
+
+def _broadcast_weight(weight, hidden, dtype, plus_one):
+    """The weight on every partition, as ``dtype`` (plus one for the Gemma convention)."""
+    spread = nl.ndarray((P, hidden), dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=spread, src=weight.reshape((1, hidden)).broadcast_to((P, hidden)))
+    if plus_one:
+        nisa.tensor_scalar(dst=spread, data=spread, op0=nl.add, operand0=1.0)
+    return spread
+
+
+def _constant_column(value):
+    column = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=column, value=value)
+    return column
+
+
+def _row_rstd(tile, rows, hidden, eps_column):
+    """rstd = rsqrt(mean(x^2) + eps) per row, squaring chunk by chunk into ScalarE's registers."""
+    mean_square = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    scale = 1.0 / (hidden ** 0.5)  # square(x * scale) sums to mean(x^2)
+    chunks = list(_chunks(hidden, FREE_CHUNK))
+    for i, (c0, c) in enumerate(chunks):
+        squares = nl.ndarray((rows, c), nl.bfloat16, buffer=nl.sbuf)  # discarded; only the sum is kept
+        nisa.activation(dst=squares, op=nl.square, data=tile[:, c0:c0 + c], scale=scale, reduce_op=nl.add,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
+                        reduce_res=mean_square if i == len(chunks) - 1 else None)
+    rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=rstd, op=nl.rsqrt, data=mean_square, bias=eps_column[:rows, :])
+    return rstd
+
+
+@nki.jit
+def rmsnorm_fwd(x, weight, eps, convention, out_dtype):
+    """RMSNorm forward.
+
+    Args:
+        x: [N, H] input in HBM (bf16 or fp32).
+        weight: [H] weight in HBM.
+        eps: variance epsilon (Python float).
+        convention: "llama", "gemma" or "fp32_multiply" (see the module docstring).
+        out_dtype: output dtype name; for "llama" the promotion of x's and weight's dtypes,
+            otherwise x's dtype.
+
+    IO shapes:
+        returns (out [N, H] of out_dtype, rstd [N, 1] fp32), both in HBM.
+    """
+    check_shapes(x.shape, weight.shape, convention)
+    rows_total, hidden = x.shape
+    llama = convention == "llama"
+    out = nl.ndarray((rows_total, hidden), out_dtype, buffer=nl.shared_hbm)
+    rstd_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
+    w = _broadcast_weight(weight, hidden, weight.dtype if llama else nl.float32, convention == "gemma")
+    eps_column = _constant_column(eps)
+    for r0, rows in _chunks(rows_total, P):
+        tile = nl.ndarray((rows, hidden), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x[r0:r0 + rows, :])
+        rstd = _row_rstd(tile, rows, hidden, eps_column)
+        for c0, c in _chunks(hidden, FREE_CHUNK):
+            result = nl.ndarray((rows, c), out_dtype, buffer=nl.sbuf)
+            if llama:
+                normed = nl.ndarray((rows, c), x.dtype, buffer=nl.sbuf)  # rounded to x's dtype, as Llama does
+                nisa.tensor_scalar(dst=normed, data=tile[:, c0:c0 + c], op0=nl.multiply, operand0=rstd)
+                nisa.tensor_tensor(dst=result, data1=normed, data2=w[:rows, c0:c0 + c], op=nl.multiply)
+            else:
+                nisa.scalar_tensor_tensor(dst=result, data=tile[:, c0:c0 + c], op0=nl.multiply, operand0=rstd,
+                                          op1=nl.multiply, operand1=w[:rows, c0:c0 + c])
+            nisa.dma_copy(dst=out[r0:r0 + rows, c0:c0 + c], src=result)
+        nisa.dma_copy(dst=rstd_out[r0:r0 + rows, :], src=rstd)
+        del tile  # last use: the next row tile may reuse this SBUF
+    return out, rstd_out
+
+
+def _backward_chunk(hidden, x_bytes, dy_bytes):
+    """The widest free chunk whose fp32 temporaries fit beside the resident rows and weight."""
+    resident = hidden * (4 + x_bytes + dy_bytes)  # weight (fp32) + x row + dy row, per partition
+    budget = nl.tile_size.total_available_sbuf_size - resident - SBUF_RESERVE
+    chunk = FREE_CHUNK
+    while chunk > P and 4 * 4 * chunk > budget:  # four fp32 chunk temporaries per step
+        chunk //= 2
+    return chunk
+
+
+@nki.jit
+def rmsnorm_bwd(dy, x, weight, rstd, convention):
+    """RMSNorm backward: dx and dweight from the saved per-row rstd.
+
+    With n = x * rstd and g = dy * w' (w' = 1 + w for "gemma", else w):
+        dx = rstd * g - x * rstd^3 * sum_j(g * x) / H
+        dweight = sum over rows of dy * n
+
+    Args:
+        dy: [N, H] gradient of the output (the output's dtype).
+        x: [N, H] forward input.
+        weight: [H] forward weight.
+        rstd: [N, 1] fp32 from the forward.
+        convention: as in the forward.
+
+    IO shapes:
+        returns (dx [N, H] of x's dtype, dweight [H] fp32), both in HBM.
+
+    Engine plan (two passes over a row tile's chunks)
+        Pass 1: GpSimd forms q = dy * x; TensorE accumulates dweight^T += q^T @ rstd (one PSUM
+        bank for the whole kernel: column b holds hidden[128 b : 128 b + 128]); VectorE forms
+        q * w' and ScalarE sums it into the row dot in its reduce registers.
+        Pass 2: VectorE forms rstd * dy * w' and then dx = coef * x + that, where
+        coef = -rstd^3 * dot / H.
+    """
+    check_shapes(x.shape, weight.shape, convention)
+    rows_total, hidden = x.shape
+    dx = nl.ndarray((rows_total, hidden), x.dtype, buffer=nl.shared_hbm)
+    dweight = nl.ndarray((hidden,), nl.float32, buffer=nl.shared_hbm)
+    w = _broadcast_weight(weight, hidden, nl.float32, convention == "gemma")
+    blocks = list(_chunks(hidden, P))
+    dweight_t = nl.ndarray((P, len(blocks)), nl.float32, buffer=nl.psum)
+    chunks = list(_chunks(hidden, _backward_chunk(hidden, _itemsize(x.dtype), _itemsize(dy.dtype))))
+    for r0, rows in _chunks(rows_total, P):
+        x_tile = nl.ndarray((rows, hidden), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_tile, src=x[r0:r0 + rows, :])
+        dy_tile = nl.ndarray((rows, hidden), dy.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=dy_tile, src=dy[r0:r0 + rows, :])
+        r = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=r, src=rstd[r0:r0 + rows, :])
+        dot = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        for i, (c0, c) in enumerate(chunks):
+            q = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=q, data1=dy_tile[:, c0:c0 + c], data2=x_tile[:, c0:c0 + c], op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+            for b in range(c0 // P, (c0 + c + P - 1) // P):
+                b0, width = blocks[b]
+                nisa.nc_matmul(dst=dweight_t[:width, b:b + 1], stationary=q[:, b0 - c0:b0 - c0 + width], moving=r)
+            qw = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=qw, data1=q, data2=w[:rows, c0:c0 + c], op=nl.multiply)
+            nisa.activation(dst=qw, op=nl.copy, data=qw, reduce_op=nl.add,
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
+                            reduce_res=dot if i == len(chunks) - 1 else None)
+        coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=coef, data1=r, data2=r, op=nl.multiply)
+        nisa.tensor_tensor(dst=coef, data1=coef, data2=r, op=nl.multiply)
+        nisa.scalar_tensor_tensor(dst=coef, data=coef, op0=nl.multiply, operand0=-1.0 / hidden, op1=nl.multiply,
+                                  operand1=dot)
+        for c0, c in chunks:
+            scaled = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=scaled, data=dy_tile[:, c0:c0 + c], op0=nl.multiply, operand0=r,
+                                      op1=nl.multiply, operand1=w[:rows, c0:c0 + c])
+            result = nl.ndarray((rows, c), x.dtype, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=result, data=x_tile[:, c0:c0 + c], op0=nl.multiply, operand0=coef,
+                                      op1=nl.add, operand1=scaled)
+            nisa.dma_copy(dst=dx[r0:r0 + rows, c0:c0 + c], src=result)
+        del x_tile, dy_tile  # last use: the next tile may reuse this SBUF
+    evicted = nl.ndarray((P, len(blocks)), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=evicted, src=dweight_t)
+    for b, (b0, width) in enumerate(blocks):
+        nisa.dma_copy(dst=dweight[b0:b0 + width].reshape((width, 1)), src=evicted[:width, b:b + 1])
+    return dx, dweight
+
+
+def _itemsize(dtype):
+    return 4 if str(dtype) in ("float32", "int32", "uint32") else 2

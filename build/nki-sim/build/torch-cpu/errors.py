@@ -1,0 +1,38 @@
+"""Errors the simulator raises when a kernel breaks an NKI or hardware rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class NkiValidationError(Exception):
+    """A kernel broke a rule the NKI compiler or the NeuronCore enforces.
+
+    Messages name the instruction, the operand, the offending value and the limit, so that the
+    fix is obvious without reading the simulator.
+    """
+
+
+class CapacityError(NkiValidationError):
+    """Live SBUF or PSUM tensors need more bytes per partition than the target has."""
+
+
+class CapacityWarning(UserWarning):
+    """Like :class:`CapacityError`, raised as a warning when the kernel asked for warnings."""
+
+
+class SimulatorUnsupported(NotImplementedError):
+    """A documented NKI API that this simulator does not execute (named in the message)."""
+
+
+class NoActiveKernel(RuntimeError):
+    """An NKI call was made outside a running ``@nki.jit`` kernel."""
+
+
+def rule(instruction: str, operand: str, problem: str, **facts: Any) -> NkiValidationError:
+    """Build the error for a broken rule: ``nisa.nc_matmul: stationary: ... (value=..., limit=...)``."""
+    detail = ", ".join(f"{key}={value}" for key, value in facts.items())
+    message = f"{instruction}: {operand}: {problem}"
+    if detail:
+        message += f" ({detail})"
+    return NkiValidationError(message)

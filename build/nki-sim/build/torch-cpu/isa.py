@@ -1,0 +1,1401 @@
+"""``nki.isa``: NeuronCore instructions, executed eagerly on NumPy and checked against the hardware.
+
+Each instruction validates its operands (buffers, partitions, free sizes, dtypes, engine
+access rules) with an error naming the instruction, the operand and the limit; computes in
+fp32 as the engines do; rounds on write to the destination dtype; and appends one record to
+the run's trace.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import dtypes, runtime
+from .errors import NkiValidationError, rule
+from .ops import ALL as _OPS, BYPASS, Op, as_activation, as_alu
+from .tensor import Tensor, unsupported
+
+__all__ = [
+    "engine", "reduce_cmd", "dge_mode", "oob_mode", "matmul_perf_mode", "nc_version", "dma_engine",
+    "NkiValidationError", "VirtualRegister", "get_nc_version",
+    "dma_copy", "dma_transpose", "tensor_copy", "tensor_copy_predicated", "memset",
+    "nc_matmul", "nc_transpose", "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor",
+    "reciprocal", "tensor_reduce", "tensor_scalar_reduce", "tensor_partition_reduce",
+    "tensor_tensor_scan", "tensor_scalar_cumulative", "activation", "activation_reduce", "activate2",
+    "iota", "affine_select", "range_select", "select_reduce", "max8", "nc_find_index8",
+    "nc_match_replace8", "nc_n_gather", "nc_stream_shuffle", "bn_stats", "bn_aggr", "exponential",
+    "rng", "rand2", "set_rng_seed", "dropout", "dma_compute",
+    "register_alloc", "register_move", "register_load", "register_store",
+]
+
+
+class _NkiEnum(enum.Enum):
+    """An NKI enum that also accepts its member's name (any case) or declaration index."""
+
+    @classmethod
+    def _missing_(cls, value: object):
+        members = list(cls)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(members):
+            return members[value]
+        if isinstance(value, str):
+            for member in members:
+                if member.name == value.lower():
+                    return member
+        return None
+
+
+class engine(_NkiEnum):
+    tensor = "tensor"
+    vector = "vector"
+    scalar = "scalar"
+    gpsimd = "gpsimd"
+    dma = "dma"
+    sync = "sync"
+    unknown = "unknown"
+
+
+tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
+    engine.tensor, engine.vector, engine.scalar, engine.gpsimd, engine.unknown)
+
+
+class reduce_cmd(_NkiEnum):
+    idle = "idle"
+    reset = "reset"
+    reduce = "reduce"
+    reset_reduce = "reset_reduce"
+    load_reduce = "load_reduce"
+
+
+class dge_mode(_NkiEnum):
+    unknown = "unknown"
+    swdge = "swdge"
+    hwdge = "hwdge"
+    none = "none"
+
+
+class oob_mode(_NkiEnum):
+    error = "error"
+    skip = "skip"
+
+
+class matmul_perf_mode(_NkiEnum):
+    none = "none"
+    double_row = "double_row"
+
+
+@functools.total_ordering
+class nc_version(_NkiEnum):
+    gen2 = "gen2"
+    gen3 = "gen3"
+    gen4 = "gen4"
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, nc_version):
+            return NotImplemented
+        return int(self.value[3:]) < int(other.value[3:])
+
+
+class dma_engine(_NkiEnum):
+    dma = "dma"
+    gpsimd_dma = "gpsimd_dma"
+
+
+# Instruction parameters share these enums' names; inside the functions use the aliases.
+_DGE, _OOB, _CMD = dge_mode, oob_mode, reduce_cmd
+
+
+FP32_MIN = float(np.finfo(np.float32).min)
+VECTOR_FREE_MAX_SBUF = 64 * 1024  # elements per partition one VectorE/ScalarE access may span
+VECTOR_FREE_MAX_PSUM = 4 * 1024
+ACCESS_PATTERN_MAX_FREE_DIMS = 4
+BN_STATS_FMAX = 512
+MAX8_MIN, MAX8_MAX = 8, 16384
+PE_ARRAY = 128
+VECTOR_TRANSPOSE_MAX = 32
+
+
+def get_nc_version() -> nc_version:
+    """The NeuronCore generation of the running kernel's target."""
+    return nc_version(runtime.current().target.nc_version)
+
+
+# ---------------------------------------------------------------------------------------------
+# operand checks
+# ---------------------------------------------------------------------------------------------
+def _tile(x: Any, instr: str, role: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise rule(instr, role, f"expected an NKI tensor, got {type(x).__name__}")
+    if x._indirect is not None and instr not in ("nisa.dma_copy", "nisa.dma_transpose"):
+        raise rule(instr, role, "indirect (vector_offset) access patterns are only for DMA instructions")
+    return x
+
+
+def _where(t: Tensor, instr: str, role: str, allowed: Sequence[str]) -> None:
+    kind = "hbm" if t.buffer in runtime.HBM_KINDS else t.buffer
+    if kind not in allowed:
+        raise rule(instr, role, f"must be in {'/'.join(a.upper() for a in allowed)}, not {t.buffer.upper()}")
+
+
+def _compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str] = ("sbuf", "psum")) -> Tensor:
+    """Checks for an operand a compute engine reads or writes."""
+    t = _tile(t, instr, role)
+    _where(t, instr, role, allowed)
+    if eng == "gpsimd" and t.buffer == "psum":
+        raise rule(instr, role, "the GpSimd engine cannot access PSUM")
+    parts = t.partition_size
+    if parts > PE_ARRAY:  # every generation has 128 partitions
+        raise rule(instr, role, "partition dim exceeds the partition count", partitions=parts, limit=PE_ARRAY)
+    start = t.start_partition
+    if parts > 64 and start != 0:
+        raise rule(instr, role, "an access over more than 64 partitions must start at partition 0",
+                   start_partition=start, partitions=parts)
+    if 32 < parts <= 64 and start not in (0, 64):
+        raise rule(instr, role, "an access over 33-64 partitions must start at partition 0 or 64",
+                   start_partition=start, partitions=parts)
+    if parts <= 32 and start % 32 and start // 32 != (start + parts - 1) // 32:
+        raise rule(instr, role, "an access over at most 32 partitions must stay within one 32-partition quadrant",
+                   start_partition=start, partitions=parts)
+    limit = VECTOR_FREE_MAX_PSUM if t.buffer == "psum" else VECTOR_FREE_MAX_SBUF
+    if eng in ("vector", "scalar", "gpsimd") and t.free_size > limit:
+        raise rule(instr, role, f"free size exceeds the {t.buffer.upper()} per-instruction limit",
+                   free_elements=t.free_size, limit=limit)
+    dims = _free_pattern_dims(t) if t.ndim > ACCESS_PATTERN_MAX_FREE_DIMS + 1 else 0
+    if dims > ACCESS_PATTERN_MAX_FREE_DIMS:
+        raise rule(instr, role, "access pattern has too many free dimensions",
+                   free_dims=dims, limit=ACCESS_PATTERN_MAX_FREE_DIMS)
+    return t
+
+
+def _free_pattern_dims(t: Tensor) -> int:
+    """Free dims of the access pattern after merging dims that are contiguous with each other."""
+    shape, strides = t._view.shape[1:], t._view.strides[1:]
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    merged = 0
+    for i, (n, s) in enumerate(dims):
+        if i + 1 < len(dims) and s == dims[i + 1][0] * dims[i + 1][1]:
+            continue
+        merged += 1
+    return merged
+
+
+def _same_layout(instr: str, a_role: str, a: Tensor, b_role: str, b: Tensor) -> None:
+    if a.partition_size != b.partition_size or a.free_size != b.free_size:
+        raise rule(instr, f"{a_role}/{b_role}", "must have the same partitions and elements per partition",
+                   **{a_role: list(a.shape), b_role: list(b.shape)})
+
+
+def _not_both_psum(instr: str, a_role: str, a: Any, b_role: str, b: Any) -> None:
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.buffer == "psum" and b.buffer == "psum":
+        raise rule(instr, f"{a_role}/{b_role}", "cannot both be in PSUM")
+
+
+def _rows(t: Tensor) -> np.ndarray:
+    """Values widened to fp32 (ints to int64), shaped [partitions, free]."""
+    values = dtypes.to_engine(np.asarray(t.read()))
+    return values.reshape(t.partition_size, -1) if t.on_chip else values.reshape(1, -1)
+
+
+def _scalar_or_vector(x: Any, instr: str, role: str, parts: int, eng: str) -> np.ndarray | float:
+    """A compile-time scalar, or a [P, 1] tile broadcast along the free dim."""
+    if isinstance(x, Tensor):
+        _compute_tile(x, instr, role, eng)
+        if x.partition_size != parts or x.free_size != 1:
+            raise rule(instr, role, "a vector operand must have shape (partitions, 1)",
+                       shape=list(x.shape), partitions=parts)
+        return _rows(x)
+    if isinstance(x, (bool, int, float, np.integer, np.floating)):
+        return float(x)
+    raise rule(instr, role, f"expected a scalar or a (P, 1) tile, got {type(x).__name__}")
+
+
+def _engine(requested: Any, instr: str, allowed: Sequence[str], default: str) -> str:
+    name = engine(requested if requested is not None else "unknown").value
+    if name == "unknown":
+        return default
+    if name not in allowed:
+        raise rule(instr, "engine", f"{name} cannot run this instruction", allowed="/".join(allowed))
+    return name
+
+
+def _reads(**operands: Any) -> list[tuple[str, Tensor]]:
+    return [(role, t) for role, t in operands.items() if isinstance(t, Tensor)]
+
+
+def _is_int(t: Tensor) -> bool:
+    return dtypes.is_int(t.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# data movement
+# ---------------------------------------------------------------------------------------------
+def _dma_read(src: Tensor, instr: str, skip: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    if src._indirect is None:
+        return np.asarray(src.read()), None
+    flat = src._buf.data.reshape(-1)
+    offsets, inside = src._indirect.flat_offsets(flat.size, instr, skip)
+    return flat[np.where(inside, offsets, 0)], inside
+
+
+def _dma_write(dst: Tensor, values: np.ndarray, instr: str, skip: bool, keep: np.ndarray | None) -> None:
+    values = dtypes.cast(values.astype(np.float32) if values.dtype != dtypes.storage(dst.dtype) else values,
+                         dst.dtype)
+    if dst._indirect is None:
+        if keep is not None and not keep.all():
+            current = np.asarray(dst.read()).reshape(values.shape)
+            values = np.where(keep, values, current)
+        dst.write(values.reshape(dst.shape), instr)
+        return
+    flat = dst._buf.data.reshape(-1)
+    offsets, inside = dst._indirect.flat_offsets(flat.size, instr, skip)
+    flat[offsets[inside]] = values.reshape(offsets.shape)[inside]
+
+
+def _contiguous_bytes(t: Tensor) -> int:
+    """Bytes in the innermost contiguous run of an access: what one DMA descriptor moves."""
+    view = t._view
+    run = view.itemsize
+    for n, s in zip(reversed(view.shape), reversed(view.strides)):
+        if n == 1:
+            continue
+        if s != run:
+            break
+        run *= n
+    return run
+
+
+def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode = oob_mode.error,
+             dge_mode: dge_mode = dge_mode.unknown, engine: engine = engine.unknown, name: str | None = None) -> None:
+    """Copy ``src`` to ``dst`` with a DMA engine (HBM or SBUF on either side), casting via fp32."""
+    instr = "nisa.dma_copy"
+    dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
+    dst, src = _tile(dst, instr, "dst"), _tile(src, instr, "src")
+    for role, t in (("dst", dst), ("src", src)):
+        _where(t, instr, role, ("hbm", "sbuf"))
+        if t.on_chip and t.partition_size > runtime.current().target.partitions:
+            raise rule(instr, role, "partition dim exceeds the partition count", partitions=t.partition_size)
+    if dst.size != src.size:
+        raise rule(instr, "dst/src", "element counts differ", dst=list(dst.shape), src=list(src.shape))
+    if dge_mode == _DGE.hwdge and not runtime.current().target.has_hwdge:
+        raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=runtime.current().target.name)
+    if dge_mode == _DGE.hwdge and src.dtype != dst.dtype:
+        raise rule(instr, "dge_mode", "hardware DGE cannot convert dtypes; view src as dst's dtype or use swdge",
+                   src=dtypes.name(src.dtype), dst=dtypes.name(dst.dtype))
+    skip = oob_mode == _OOB.skip
+    values, inside = _dma_read(src, instr, skip)
+    if src.dtype != dst.dtype:
+        values = dtypes.to_engine(values)
+    keep = None
+    if inside is not None:
+        keep = inside
+    _dma_write(dst, values, instr, skip, keep)
+    on_chip = dst if dst.on_chip else src
+    parts = on_chip.partition_size if on_chip.on_chip else 1
+    hbm_side = src if not src.on_chip else dst
+    runtime.current().record(
+        "dma", "dma_copy", reads=[("src", src)], writes=[("dst", dst)], bytes_moved=dst.nbytes,
+        partitions=parts, bytes_per_partition=dst.nbytes // max(parts, 1),
+        contiguous_bytes=_contiguous_bytes(hbm_side) if hbm_side._indirect is None else dtypes.itemsize(hbm_side.dtype),
+        dge_mode=dge_mode.value if isinstance(dge_mode, enum.Enum) else str(dge_mode),
+    )
+
+
+_DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
+def dma_transpose(dst: Tensor, src: Tensor, axes: Sequence[int] | None = None, priority: Any = None,
+                  dge_mode: dge_mode = dge_mode.unknown, oob_mode: oob_mode = oob_mode.error,
+                  name: str | None = None) -> None:
+    """Transpose with the DMA engine: ``(1, 0)``, ``(2, 1, 0)`` or ``(3, 1, 2, 0)`` of 2-byte data."""
+    instr = "nisa.dma_transpose"
+    dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
+    dst, src = _tile(dst, instr, "dst"), _tile(src, instr, "src")
+    _where(dst, instr, "dst", ("sbuf",))
+    _where(src, instr, "src", ("hbm", "sbuf"))
+    if src.dtype != dst.dtype:
+        raise rule(instr, "dst", "must have the same dtype as src", dst=dtypes.name(dst.dtype), src=dtypes.name(src.dtype))
+    if dtypes.itemsize(src.dtype) != 2:
+        raise rule(instr, "src", "DMA transpose moves 2-byte dtypes only", dtype=dtypes.name(src.dtype))
+    expected = _DMA_TRANSPOSE_AXES.get(src.ndim)
+    axes = tuple(axes) if axes is not None else expected
+    if expected is None or axes != expected:
+        raise rule(instr, "axes", "supported permutations are (1, 0), (2, 1, 0) and (3, 1, 2, 0)",
+                   axes=axes, src_ndim=src.ndim)
+    if dge_mode == _DGE.hwdge:
+        if not runtime.current().target.has_hwdge:
+            raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer",
+                       target=runtime.current().target.name)
+        if src.shape[0] != 16 or src.shape[-1] % 128:
+            raise rule(instr, "src", "a hardware-DGE transpose needs src.shape[0] == 16 and src.shape[-1] % 128 == 0",
+                       shape=list(src.shape))
+    skip = oob_mode == _OOB.skip
+    values, inside = _dma_read(src, instr, skip)
+    values = np.transpose(values.reshape(src.shape), axes)
+    if values.size != dst.size:
+        raise rule(instr, "dst", "element count differs from the transposed src", dst=list(dst.shape),
+                   transposed=list(values.shape))
+    if inside is not None and not inside.all():
+        # oob_mode=skip: elements gathered through an out-of-bounds index leave dst as it was.
+        keep = np.transpose(inside.reshape(src.shape), axes).reshape(dst.shape)
+        values = np.where(keep, values.reshape(dst.shape), np.asarray(dst.read()))
+    dst.write(values.reshape(dst.shape), instr)
+    runtime.current().record("dma", "dma_transpose", reads=[("src", src)], writes=[("dst", dst)],
+                             bytes_moved=dst.nbytes, partitions=dst.partition_size,
+                             bytes_per_partition=dst.nbytes // max(dst.partition_size, 1),
+                             contiguous_bytes=dtypes.itemsize(src.dtype), transpose=True)
+
+
+def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:
+    """Copy a tile within SBUF/PSUM on Vector, Scalar or GpSimd (bit-exact when dtypes match)."""
+    instr = "nisa.tensor_copy"
+    eng = _engine(engine, instr, ("vector", "scalar", "gpsimd"), "vector")
+    run = runtime.current()
+    if eng == "scalar" and not run.target.scalar_engine_tensor_copy:
+        raise rule(instr, "engine", "ScalarE has no tensor_copy on NeuronCore-v2; use activation(op=nl.copy)",
+                   target=run.target.name)
+    dst, src = _compute_tile(dst, instr, "dst", eng), _compute_tile(src, instr, "src", eng)
+    _same_layout(instr, "dst", dst, "src", src)
+    values = np.asarray(src.read())
+    if src.dtype != dst.dtype:
+        # Differing dtypes convert through an fp32 intermediate (ints too: 2**24 + 1 is lost, and
+        # out-of-range values saturate when written back as a narrower int rather than wrapping).
+        values = values.astype(np.float32)
+    dst.write(values.reshape(dst.shape), instr)
+    run.record(eng, "tensor_copy", reads=[("src", src)], writes=[("dst", dst)])
+
+
+def memset(dst: Tensor, value: Any, engine: engine = engine.unknown, name: str | None = None) -> None:
+    """Fill ``dst`` with a compile-time constant."""
+    instr = "nisa.memset"
+    eng = _engine(engine, instr, ("vector", "gpsimd"), "vector")
+    dst = _compute_tile(dst, instr, "dst", eng)
+    if dst.dtype in dtypes.PACKED_X4 and value != 0:
+        raise rule(instr, "value", "packed x4 dtypes can only be set to 0", value=value)
+    if isinstance(value, Tensor):
+        raise rule(instr, "value", "must be a compile-time constant, not a tensor")
+    dst.write(np.full(dst.shape, value, dtype=np.float64 if dtypes.is_float(dst.dtype) else np.int64), instr)
+    runtime.current().record(eng, "memset", writes=[("dst", dst)], zero=(value == 0))
+
+
+def tensor_copy_predicated(dst: Tensor, src: Any, predicate: Tensor, reverse_pred: bool = False,
+                           name: str | None = None) -> None:
+    """Copy ``src`` into ``dst`` where ``predicate`` is non-zero (or zero, with ``reverse_pred``)."""
+    instr = "nisa.tensor_copy_predicated"
+    dst = _compute_tile(dst, instr, "dst", "vector")
+    predicate = _compute_tile(predicate, instr, "predicate", "vector")
+    if not _is_int(predicate):
+        raise rule(instr, "predicate", "must be an integer tile (uint8/uint16/uint32)",
+                   dtype=dtypes.name(predicate.dtype))
+    _same_layout(instr, "dst", dst, "predicate", predicate)
+    if isinstance(src, Tensor):
+        src = _compute_tile(src, instr, "src", "vector")
+        _same_layout(instr, "dst", dst, "src", src)
+        _not_both_psum(instr, "src", src, "predicate", predicate)
+        if src.dtype != dst.dtype:
+            raise rule(instr, "src", "must have the same dtype as dst", src=dtypes.name(src.dtype), dst=dtypes.name(dst.dtype))
+        values = np.asarray(src.read()).reshape(dst.shape)
+    else:
+        values = np.full(dst.shape, src)
+    mask = np.asarray(predicate.read()).reshape(dst.shape) != 0
+    if reverse_pred:
+        mask = ~mask
+    current = np.asarray(dst.read())
+    dst.write(np.where(mask, values, current), instr)
+    runtime.current().record("vector", "tensor_copy_predicated",
+                             reads=_reads(src=src, predicate=predicate, dst_in=dst), writes=[("dst", dst)])
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorE
+# ---------------------------------------------------------------------------------------------
+_MATMUL_IN = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn", "bfloat16", "float16", "tfloat32", "float32"}
+_MATMUL_FP32 = {"tfloat32", "float32"}
+
+
+def _check_tiling(instr: str, tile_position: Sequence[Any], tile_size: Sequence[Any], generation: int,
+                  k: int, m: int) -> tuple[int, int]:
+    if bool(tile_position) != bool(tile_size):
+        raise rule(instr, "tile_position/tile_size", "set both to use tiling mode, or neither")
+    if not tile_size:
+        return PE_ARRAY, PE_ARRAY
+    rows, cols = (int(v) for v in tile_size)
+    start_row, start_col = (int(v) for v in tile_position)
+    legal = (32, 64, 128) if generation >= 3 else (64, 128)
+    for label, size, start in (("row", rows, start_row), ("column", cols, start_col)):
+        if size not in legal:
+            raise rule(instr, "tile_size", f"{label} tile size must be one of {legal}", value=size)
+        if start % size or not 0 <= start < PE_ARRAY:
+            raise rule(instr, "tile_position", f"start {label} must be a multiple of the {label} tile size below 128",
+                       start=start, tile=size)
+    if k > rows:
+        raise rule(instr, "stationary", "partition (contraction) dim exceeds the row tile", K=k, row_size=rows)
+    if m > cols:
+        raise rule(instr, "stationary", "free dim exceeds the column tile", M=m, column_size=cols)
+    return rows, cols
+
+
+def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_onezero: bool = False,
+              is_moving_onezero: bool = False, is_transpose: bool = False, accumulate: bool | None = None,
+              tile_position: Sequence[Any] = (), tile_size: Sequence[Any] = (),
+              perf_mode: matmul_perf_mode = matmul_perf_mode.none, name: str | None = None) -> None:
+    """``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]`` on TensorE, accumulating in fp32 PSUM."""
+    instr = "nisa.nc_matmul"
+    run = runtime.current()
+    target = run.target
+    stationary = _compute_tile(stationary, instr, "stationary", "tensor", ("sbuf",))
+    moving = _compute_tile(moving, instr, "moving", "tensor", ("sbuf",))
+    dst = _compute_tile(dst, instr, "dst", "tensor", ("psum",))
+    s_dt, m_dt = dtypes.name(stationary.dtype), dtypes.name(moving.dtype)
+    for role, dt in (("stationary", s_dt), ("moving", m_dt)):
+        if dt not in _MATMUL_IN or (dt == "float8_e4m3fn" and target.generation < 4):
+            raise rule(instr, role, "unsupported matmul input dtype", dtype=dt, target=target.name)
+    if (s_dt in _MATMUL_FP32) != (m_dt in _MATMUL_FP32):
+        raise rule(instr, "stationary/moving", "fp32/tf32 inputs must be paired with fp32/tf32",
+                   stationary=s_dt, moving=m_dt)
+    if {s_dt, m_dt} == {"float8_e4m3", "float8_e4m3fn"}:
+        raise rule(instr, "stationary/moving", "legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed")
+    d_dt = dtypes.name(dst.dtype)
+    double_row = matmul_perf_mode(perf_mode) == matmul_perf_mode.double_row
+    if is_transpose:
+        if d_dt != s_dt:
+            raise rule(instr, "dst", "a transpose writes the stationary dtype", dst=d_dt, stationary=s_dt)
+    elif d_dt not in target.matmul_dst_dtypes:
+        raise rule(instr, "dst", "PSUM result dtype not supported", dtype=d_dt,
+                   allowed="/".join(target.matmul_dst_dtypes), target=target.name)
+    st, mv = _rows(stationary), _rows(moving)
+    k = stationary.partition_size
+    if double_row:
+        if not target.has_fp8_double_row:
+            raise rule(instr, "perf_mode", "double_row needs NeuronCore-v3 or newer", target=target.name)
+        if s_dt not in ("float8_e4m3", "float8_e5m2", "float8_e4m3fn") or m_dt not in ("float8_e4m3", "float8_e5m2", "float8_e4m3fn"):
+            raise rule(instr, "perf_mode", "double_row takes fp8 inputs only", stationary=s_dt, moving=m_dt)
+        if tile_size and tuple(tile_size)[1] != PE_ARRAY:
+            raise rule(instr, "perf_mode", "double_row cannot be combined with column tiling")
+        if stationary.ndim < 3 or stationary.shape[1] != 2 or moving.ndim < 3 or moving.shape[1] != 2:
+            raise rule(instr, "stationary/moving", "double_row needs the first free dim to be 2",
+                       stationary=list(stationary.shape), moving=list(moving.shape))
+        # The contraction spans partitions and the pair dim: [K, 2, M] -> [2K, M].
+        st = st.reshape(k, 2, -1).transpose(1, 0, 2).reshape(2 * k, -1)
+        mv = mv.reshape(k, 2, -1).transpose(1, 0, 2).reshape(2 * k, -1)
+    if moving.partition_size != k:
+        raise rule(instr, "stationary/moving", "contraction (partition) dims differ", stationary_K=k,
+                   moving_K=moving.partition_size)
+    if k > PE_ARRAY:
+        raise rule(instr, "stationary", "contraction (partition) dim exceeds 128", K=k)
+    m, n = st.shape[1], mv.shape[1]
+    if m > target.gemm_stationary_fmax:
+        raise rule(instr, "stationary", "free size exceeds gemm_stationary_fmax", M=m,
+                   limit=target.gemm_stationary_fmax)
+    moving_limit = target.gemm_moving_fmax
+    if target.generation >= 4 and d_dt == "bfloat16" and not is_transpose:
+        moving_limit *= 2  # NC-v4: the moving free size is bounded by all 8 PSUM banks, 8192 bf16 columns
+    if n > moving_limit:
+        raise rule(instr, "moving", "free size exceeds gemm_moving_fmax", N=n, limit=moving_limit,
+                   dst_dtype=d_dt, target=target.name)
+    row_size, _ = _check_tiling(instr, tile_position, tile_size, target.generation, k, m)
+    if dst.partition_size != m or dst.free_size != n:
+        raise rule(instr, "dst", "shape must be [stationary free, moving free]", dst=list(dst.shape), expected=[m, n])
+    region = dst.region()
+    bank = target.psum_bank_bytes
+    if target.generation < 4 and region.b0 // bank != (region.b1 - 1) // bank:
+        raise rule(instr, "dst", "a matmul result must lie within one 2 KiB PSUM bank",
+                   first_byte=region.b0, last_byte=region.b1 - 1, bank_bytes=bank)
+    if is_transpose and target.generation >= 3 and k == n and np.array_equal(mv, np.eye(k, dtype=mv.dtype)):
+        product = st.T.copy()  # bit-accurate transpose mode: NaN/Inf pass through untouched
+    else:
+        with np.errstate(all="ignore"):
+            product = st.T.astype(np.float32) @ mv.astype(np.float32)
+    previous = dtypes.to_engine(np.asarray(dst.read())).reshape(m, n)
+    if accumulate is None:
+        add = dst.was_written().reshape(m, n)
+    else:
+        add = np.full((m, n), bool(accumulate))
+    with np.errstate(all="ignore"):
+        result = np.where(add, previous + product, product)
+    dst.write(result.reshape(dst.shape), instr)
+    reads = [("stationary", stationary), ("moving", moving)]
+    if add.any():
+        reads.append(("dst_in", dst))
+    contraction = 2 * k if double_row else k
+    run.record("tensor", "nc_matmul", reads=reads, writes=[("dst", dst)], flops=2 * contraction * m * n,
+               K=contraction, M=m, N=n, fp32=s_dt in _MATMUL_FP32, onezero=is_stationary_onezero or is_moving_onezero,
+               double_row=double_row, row_size=row_size, transpose=bool(is_transpose))
+
+
+def nc_transpose(dst: Tensor, data: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:
+    """Swap the partition dim with the (flattened) free dims, on TensorE (≤128×128) or VectorE (≤32×32)."""
+    instr = "nisa.nc_transpose"
+    data = _tile(data, instr, "data")
+    dst = _tile(dst, instr, "dst")
+    default = "tensor" if (data.buffer == "sbuf" and dst.buffer == "psum") else "vector"
+    eng = _engine(engine, instr, ("tensor", "vector"), default)
+    if eng == "tensor":
+        data = _compute_tile(data, instr, "data", "tensor", ("sbuf",))
+        dst = _compute_tile(dst, instr, "dst", "tensor", ("psum",))
+        limit = PE_ARRAY
+    else:
+        data = _compute_tile(data, instr, "data", "vector")
+        dst = _compute_tile(dst, instr, "dst", "vector")
+        limit = VECTOR_TRANSPOSE_MAX
+    if data.dtype != dst.dtype:
+        raise rule(instr, "dst", "must have the same dtype as data", dst=dtypes.name(dst.dtype), data=dtypes.name(data.dtype))
+    p, f = data.partition_size, data.free_size
+    if p > limit or f > limit:
+        raise rule(instr, "data", f"{eng} engine transposes at most {limit}x{limit}", shape=[p, f])
+    if dst.partition_size != f or dst.free_size != p:
+        raise rule(instr, "dst", "must be the transposed shape of data", dst=list(dst.shape), expected=[f, p])
+    values = np.asarray(data.read()).reshape(p, f).T
+    dst.write(values.reshape(dst.shape), instr)
+    run = runtime.current()
+    flops = 2 * p * p * f if eng == "tensor" else 0
+    run.record(eng, "nc_transpose", reads=[("data", data)], writes=[("dst", dst)], flops=flops,
+               K=p, M=p, N=f, fp32=dtypes.name(data.dtype) == "float32", transpose=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise
+# ---------------------------------------------------------------------------------------------
+def _alu_apply(op: Op, a: Any, b: Any, reverse: bool = False) -> np.ndarray:
+    if op is BYPASS:
+        return b if reverse else a
+    return op.binary(b, a) if reverse else op.binary(a, b)
+
+
+def _check_bitvec(instr: str, ops: Sequence[Op], tiles: dict[str, Tensor]) -> None:
+    kinds = {op.kind == "bitvec" for op in ops if op is not BYPASS}
+    if len(kinds) > 1:
+        raise rule(instr, "op0/op1", "both operators must be bitvec or both arithmetic",
+                   ops=[op.name for op in ops])
+    if True in kinds:
+        for role, t in tiles.items():
+            if not _is_int(t):
+                raise rule(instr, role, "bitvec operators need integer tiles", op=ops[0].name,
+                           dtype=dtypes.name(t.dtype))
+
+
+_GPSIMD_INT_ALU = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
+                   "maximum": np.maximum, "minimum": np.minimum}
+
+
+def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: engine = engine.unknown,
+                  name: str | None = None) -> None:
+    """``dst = data1 <op> data2`` element-wise on VectorE (GpSimd for ``nl.power`` and int32)."""
+    instr = "nisa.tensor_tensor"
+    alu = as_alu(op, instr)
+    data1, data2 = _tile(data1, instr, "data1"), _tile(data2, instr, "data2")
+    all_int32 = all(dtypes.name(t.dtype) in ("int32", "uint32") for t in (dst, data1, data2) if isinstance(t, Tensor))
+    any_psum = any(t.buffer == "psum" for t in (dst, data1, data2) if isinstance(t, Tensor))
+    default = "gpsimd" if (alu.name == "power" or (all_int32 and not any_psum)) else "vector"
+    eng = _engine(engine, instr, ("vector", "gpsimd"), default)
+    if alu.name == "power" and eng != "gpsimd":
+        raise rule(instr, "op", "nl.power runs on GpSimd only", engine=eng)
+    dst = _compute_tile(dst, instr, "dst", eng)
+    data1 = _compute_tile(data1, instr, "data1", eng)
+    data2 = _compute_tile(data2, instr, "data2", eng)
+    _same_layout(instr, "data1", data1, "data2", data2)
+    _same_layout(instr, "dst", dst, "data1", data1)
+    _not_both_psum(instr, "data1", data1, "data2", data2)
+    _check_bitvec(instr, [alu], {"data1": data1, "data2": data2, "dst": dst})
+    if eng == "gpsimd" and all_int32 and alu.name in _GPSIMD_INT_ALU:
+        # GpSimd's native 32-bit integer arithmetic: exact (no fp32 rounding above 2**24), and the
+        # int64 result wraps to 32 bits when written, as two's-complement hardware does.
+        result = _GPSIMD_INT_ALU[alu.name](_rows(data1), _rows(data2))
+    else:
+        result = _alu_apply(alu, _rows(data1), _rows(data2))
+    dst.write(result.reshape(dst.shape), instr)
+    runtime.current().record(eng, "tensor_tensor", reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)],
+                             alu=alu.name, any_psum=any_psum,
+                             all_bf16=all(dtypes.name(t.dtype) == "bfloat16" for t in (dst, data1, data2)))
+
+
+_SCALAR_ENGINE_COMBOS = {("multiply", "add"), ("multiply", None), ("add", None)}
+# Engines that implement each restricted ALU operator (AWS's NKI operator table); others run anywhere.
+ALU_OP_ENGINES = {"rsqrt": ("gpsimd", "scalar"), "power": ("gpsimd",), "reciprocal": ("vector", "scalar"),
+                  "abs": ("vector", "scalar")}
+
+
+def _alu_engines(instr: str, ops: Sequence[Op], candidates: Sequence[str]) -> list[str]:
+    allowed = list(candidates)
+    for op in ops:
+        allowed = [e for e in allowed if e in ALU_OP_ENGINES.get(op.name, candidates)]
+    if not allowed:
+        raise rule(instr, "op", "no engine implements this operator combination", ops=[op.name for op in ops])
+    return allowed
+
+
+def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: bool = False, op1: Any = None,
+                  operand1: Any = None, reverse1: bool = False, engine: engine = engine.unknown,
+                  name: str | None = None) -> None:
+    """``dst = (data <op0> operand0) <op1> operand1`` with scalar or per-partition [P, 1] operands."""
+    instr = "nisa.tensor_scalar"
+    first = as_alu(op0, instr, "op0")
+    second = as_alu(op1, instr, "op1") if op1 is not None else None
+    if (op1 is None) != (operand1 is None) and not (second is not None and second.name in ("abs", "bypass")):
+        raise rule(instr, "op1/operand1", "set both or neither")
+    pair = (first.name, second.name if second else None)
+    allowed = _alu_engines(instr, [first] + ([second] if second else []), ("vector", "scalar", "gpsimd"))
+    # Like the compiler: VectorE when it can, else GpSimd, else ScalarE for the pairs it supports.
+    usable = [e for e in ("vector", "gpsimd", "scalar") if e in allowed and (e != "scalar" or pair in _SCALAR_ENGINE_COMBOS)]
+    eng = _engine(engine, instr, allowed, usable[0] if usable else allowed[0])
+    if eng == "scalar" and pair not in _SCALAR_ENGINE_COMBOS:
+        raise rule(instr, "engine", "ScalarE supports only multiply+add, multiply, or add", op0=pair[0], op1=pair[1])
+    dst = _compute_tile(dst, instr, "dst", eng)
+    data = _compute_tile(data, instr, "data", eng)
+    _same_layout(instr, "dst", dst, "data", data)
+    ops = [first] + ([second] if second else [])
+    _check_bitvec(instr, ops, {"data": data, "dst": dst})
+    if first.kind != "bitvec":
+        # Arithmetic operators take float32 operands (a vector operand is not cast on the way in).
+        for role, operand in (("operand0", operand0), ("operand1", operand1)):
+            if isinstance(operand, Tensor) and dtypes.name(operand.dtype) != "float32":
+                raise rule(instr, role, "a vector operand of an arithmetic operator must be float32",
+                           dtype=dtypes.name(operand.dtype))
+    parts = data.partition_size
+    a0 = _scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, eng)
+    values = _alu_apply(first, _rows(data), a0, reverse0)
+    if second is not None:
+        a1 = _scalar_or_vector(0.0 if operand1 is None else operand1, instr, "operand1", parts, eng)
+        values = _alu_apply(second, values, a1, reverse1)
+    if values.shape != (parts, data.free_size):
+        values = np.broadcast_to(values, (parts, data.free_size))
+    dst.write(values.reshape(dst.shape), instr)
+    runtime.current().record(eng, "tensor_scalar", reads=_reads(data=data, operand0=operand0, operand1=operand1),
+                             writes=[("dst", dst)], alu=first.name,
+                             all_bf16=dtypes.name(data.dtype) == "bfloat16" and dtypes.name(dst.dtype) == "bfloat16",
+                             any_psum=data.buffer == "psum" or dst.buffer == "psum")
+
+
+def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0: Any, operand0: Any, op1: Any, operand1: Tensor,
+                         reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+    """``dst = (data <op0> operand0) <op1> operand1`` with a scalar/[P, 1] operand0 and a tile operand1."""
+    instr = "nisa.scalar_tensor_tensor"
+    first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
+    for op in (first, second):
+        if op.kind == "bitvec":
+            raise rule(instr, "op", "bitvec operators are not supported here", op=op.name)
+    dst = _compute_tile(dst, instr, "dst", "vector")
+    data = _compute_tile(data, instr, "data", "vector")
+    operand1 = _compute_tile(operand1, instr, "operand1", "vector")
+    _same_layout(instr, "dst", dst, "data", data)
+    _same_layout(instr, "data", data, "operand1", operand1)
+    _not_both_psum(instr, "data", data, "operand1", operand1)
+    a0 = _scalar_or_vector(operand0, instr, "operand0", data.partition_size, "vector")
+    values = _alu_apply(first, _rows(data), a0, reverse0)
+    values = _alu_apply(second, values, _rows(operand1), reverse1)
+    dst.write(values.reshape(dst.shape), instr)
+    runtime.current().record("vector", "scalar_tensor_tensor",
+                             reads=_reads(data=data, operand0=operand0, operand1=operand1), writes=[("dst", dst)],
+                             alu=second.name)
+
+
+def reciprocal(dst: Tensor, data: Tensor, name: str | None = None) -> None:
+    """``dst = 1 / data`` on VectorE."""
+    instr = "nisa.reciprocal"
+    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
+    _same_layout(instr, "dst", dst, "data", data)
+    with np.errstate(all="ignore"):
+        values = np.float32(1.0) / _rows(data).astype(np.float32)
+    dst.write(values.reshape(dst.shape), instr)
+    runtime.current().record("vector", "reciprocal", reads=[("data", data)], writes=[("dst", dst)])
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions
+# ---------------------------------------------------------------------------------------------
+def _reduce(op: Op, values: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Reduce one axis with an ALU operator, in the engines' arithmetic."""
+    if op.name == "add":
+        return values.sum(axis=axis, dtype=values.dtype)
+    if op.name == "maximum":
+        return values.max(axis=axis)
+    if op.name == "minimum":
+        return values.min(axis=axis)
+    if op.name == "multiply":
+        return values.prod(axis=axis, dtype=values.dtype)
+    ufunc = {"bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor}.get(op.name)
+    if ufunc is not None:
+        return ufunc.reduce(values.astype(np.int64), axis=axis)
+    moved = np.moveaxis(values, axis, -1)
+    result = moved[..., 0]
+    for i in range(1, moved.shape[-1]):
+        result = op.binary(result, moved[..., i])
+    return result
+
+
+def tensor_reduce(dst: Tensor, op: Any, data: Tensor, axis: Any, negate: bool = False, keepdims: bool = False,
+                  name: str | None = None) -> None:
+    """Reduce the trailing free axes of ``data`` on VectorE (optionally negated)."""
+    instr = "nisa.tensor_reduce"
+    alu = as_alu(op, instr)
+    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
+    axes = tuple(sorted(int(a) % data.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])))
+    if 0 in axes:
+        raise rule(instr, "axis", "the partition axis (0) cannot be reduced; transpose or use a matmul", axis=axes)
+    if axes != tuple(range(axes[0], data.ndim)):
+        raise rule(instr, "axis", "must be the last contiguous free dims, ending at the final dim",
+                   axis=axes, ndim=data.ndim)
+    values = dtypes.to_engine(np.asarray(data.read()))
+    if alu.kind == "bitvec" and not _is_int(data):
+        raise rule(instr, "data", "bitvec reductions need integer tiles", dtype=dtypes.name(data.dtype))
+    reduced = _reduce(alu, values.reshape(values.shape[:axes[0]] + (-1,)), -1)
+    if negate:
+        if alu.kind == "bitvec":
+            raise rule(instr, "negate", "only applies to arithmetic reductions", op=alu.name)
+        reduced = -reduced
+    kept = int(np.prod([data.shape[d] for d in range(1, data.ndim) if d not in axes]))
+    if dst.partition_size != data.partition_size or dst.free_size != kept:
+        raise rule(instr, "dst", "shape does not match the reduction", dst=list(dst.shape),
+                   expected_elements_per_partition=kept)
+    dst.write(np.asarray(reduced).reshape(dst.shape), instr)
+    runtime.current().record("vector", "tensor_reduce", reads=[("data", data)], writes=[("dst", dst)], alu=alu.name,
+                             all_bf16=dtypes.name(data.dtype) == "bfloat16")
+
+
+def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None = None) -> None:
+    """Reduce across partitions on GpSimd: ``dst[1, F] = op over p of data[p, F]``."""
+    instr = "nisa.tensor_partition_reduce"
+    alu = as_alu(op, instr)
+    if alu.name not in ("add", "maximum", "bitwise_or", "bitwise_and"):
+        raise rule(instr, "op", "must be add, maximum, bitwise_or or bitwise_and", op=alu.name)
+    dst, data = _compute_tile(dst, instr, "dst", "gpsimd"), _compute_tile(data, instr, "data", "gpsimd")
+    if dst.partition_size != 1 or dst.free_size != data.free_size:
+        raise rule(instr, "dst", "must hold one partition of data's free size", dst=list(dst.shape),
+                   expected=[1, data.free_size])
+    reduced = _reduce(alu, _rows(data), 0)
+    dst.write(reduced.reshape(dst.shape), instr)
+    runtime.current().record("gpsimd", "tensor_partition_reduce", reads=[("data", data)], writes=[("dst", dst)])
+
+
+def _accumulate(registers: np.ndarray, parts: int, cmd: reduce_cmd, op: Op, values: np.ndarray,
+                init: Any, instr: str) -> None:
+    """Apply a reduce_cmd to per-lane accumulator registers (in place)."""
+    cmd = _CMD(cmd)
+    identity = op.identity if op.identity is not None else 0.0
+    lane = registers[:parts]
+    if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
+        lane[:] = identity
+    elif cmd == reduce_cmd.load_reduce:
+        if init is None:
+            raise rule(instr, "reduce_init", "is required with reduce_cmd.load_reduce")
+        lane[:] = np.broadcast_to(_scalar_or_vector(init, instr, "reduce_init", parts, "vector"), (parts, 1))[:, 0]
+    if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce, reduce_cmd.load_reduce):
+        lane[:] = _alu_apply(op, lane, _reduce(op, values.astype(np.float32), -1))
+
+
+def _read_out(reduce_res: Tensor | None, registers: np.ndarray, parts: int, instr: str, eng: str) -> None:
+    if reduce_res is None:
+        return
+    reduce_res = _compute_tile(reduce_res, instr, "reduce_res", eng)
+    if reduce_res.partition_size != parts or reduce_res.free_size != 1:
+        raise rule(instr, "reduce_res", "must have shape (partitions, 1)", shape=list(reduce_res.shape), partitions=parts)
+    reduce_res.write(registers[:parts].reshape(reduce_res.shape), instr)
+
+
+def tensor_scalar_reduce(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reduce_op: Any, reduce_res: Tensor,
+                         reverse0: bool = False, reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+                         reduce_init: Any = None, name: str | None = None) -> None:
+    """``dst = data <op0> operand0`` and reduce the result along the free dims into ``reduce_res``."""
+    instr = "nisa.tensor_scalar_reduce"
+    first, red = as_alu(op0, instr, "op0"), as_alu(reduce_op, instr, "reduce_op")
+    if red.name not in ("add", "multiply", "maximum", "minimum"):
+        raise rule(instr, "reduce_op", "must be add, multiply, maximum or minimum", op=red.name)
+    if first.kind == "bitvec":
+        raise rule(instr, "op0", "bitvec operators are not supported here", op=first.name)
+    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
+    _same_layout(instr, "dst", dst, "data", data)
+    parts = data.partition_size
+    a0 = _scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, "vector")
+    values = np.broadcast_to(_alu_apply(first, _rows(data), a0, reverse0), (parts, data.free_size))
+    dst.write(values.reshape(dst.shape), instr)
+    # Engines accumulate their fp32 results; only the write to dst rounds.
+    stored = np.asarray(values, dtype=np.float32)
+    run = runtime.current()
+    _accumulate(run.vector_accumulator, parts, reduce_cmd, red, stored, reduce_init, instr)
+    _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
+    run.record("vector", "tensor_scalar_reduce", reads=_reads(data=data, operand0=operand0),
+               writes=_reads(dst=dst, reduce_res=reduce_res), alu=first.name)
+
+
+def tensor_tensor_scan(dst: Tensor, data0: Tensor, data1: Tensor, initial: Any, op0: Any, op1: Any,
+                       reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+    """``r[i] = (data0[i] <op0> r[i-1]) <op1> data1[i]`` along the free dim, from ``initial``."""
+    instr = "nisa.tensor_tensor_scan"
+    first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
+    dst = _compute_tile(dst, instr, "dst", "vector")
+    data0, data1 = _compute_tile(data0, instr, "data0", "vector"), _compute_tile(data1, instr, "data1", "vector")
+    _same_layout(instr, "data0", data0, "data1", data1)
+    _same_layout(instr, "dst", dst, "data0", data0)
+    _not_both_psum(instr, "data0", data0, "data1", data1)
+    parts = data0.partition_size
+    a, b = _rows(data0), _rows(data1)
+    state = np.broadcast_to(_scalar_or_vector(initial, instr, "initial", parts, "vector"), (parts, 1))[:, 0].astype(np.float32)
+    out = np.empty_like(a, dtype=np.float32)
+    for i in range(a.shape[1]):
+        state = _alu_apply(first, a[:, i], state, reverse0)
+        state = _alu_apply(second, state, b[:, i], reverse1)
+        out[:, i] = state
+    dst.write(out.reshape(dst.shape), instr)
+    runtime.current().record("vector", "tensor_tensor_scan", reads=_reads(data0=data0, data1=data1, initial=initial),
+                             writes=[("dst", dst)])
+
+
+def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0: Any, imm1: Any = None,
+                             reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce, name: str | None = None) -> None:
+    """Running ``reg = (src[i] <op0> imm0) <op1> reg`` along the free dim, writing every step."""
+    instr = "nisa.tensor_scalar_cumulative"
+    first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
+    if second.name not in ("add", "subtract", "multiply", "maximum", "minimum"):
+        raise rule(instr, "op1", "must be add, subtract, multiply, maximum or minimum", op=second.name)
+    dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
+    _same_layout(instr, "dst", dst, "src", src)
+    parts = src.partition_size
+    run = runtime.current()
+    lanes = run.vector_accumulator[:parts]
+    reduce_cmd = _CMD(reduce_cmd)
+    if reduce_cmd == _CMD.reset_reduce:
+        lanes[:] = second.identity if second.identity is not None else 0.0
+    elif reduce_cmd == _CMD.load_reduce:
+        lanes[:] = np.broadcast_to(_scalar_or_vector(imm1, instr, "imm1", parts, "vector"), (parts, 1))[:, 0]
+    scaled = np.broadcast_to(_alu_apply(first, _rows(src), _scalar_or_vector(imm0, instr, "imm0", parts, "vector")),
+                             (parts, src.free_size))
+    out = np.empty((parts, src.free_size), dtype=np.float32)
+    for i in range(src.free_size):
+        lanes[:] = second.binary(scaled[:, i], lanes)
+        out[:, i] = lanes
+    dst.write(out.reshape(dst.shape), instr)
+    run.record("vector", "tensor_scalar_cumulative", reads=_reads(src=src, imm0=imm0, imm1=imm1), writes=[("dst", dst)])
+
+
+# ---------------------------------------------------------------------------------------------
+# ScalarE
+# ---------------------------------------------------------------------------------------------
+def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, relu_param: Any = 0.0) -> np.ndarray:
+    run = runtime.current()
+    parts = data.partition_size
+    x = _rows(data).astype(np.float32)
+    if isinstance(scale, Tensor):
+        if dtypes.name(scale.dtype) != "float32":
+            raise rule(instr, "scale", "a scale vector must be float32", dtype=dtypes.name(scale.dtype))
+    x = x * np.float32(1.0) * _scalar_or_vector(scale, instr, "scale", parts, "scalar")
+    if bias is not None:
+        if not isinstance(bias, Tensor) and not run.target.bias_scalar_allowed:
+            raise rule(instr, "bias", "NeuronCore-v2 takes bias only as a (P, 1) vector", target=run.target.name)
+        if isinstance(bias, Tensor) and dtypes.name(bias.dtype) == "tfloat32":
+            raise rule(instr, "bias", "tfloat32 bias is not supported")
+        x = x + _scalar_or_vector(bias, instr, "bias", parts, "scalar")
+    if op.name == "prelu":
+        slope = _scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
+        return np.where(x >= 0, x, x * slope).astype(np.float32)
+    return op.unary(x.astype(np.float32))
+
+
+def activation(dst: Tensor, op: Any, data: Tensor, bias: Any = None, scale: Any = 1.0, reduce_op: Any = None,
+               reduce_res: Tensor | None = None, reduce_cmd: reduce_cmd = reduce_cmd.idle,
+               name: str | None = None) -> None:
+    """``dst = op(data * scale + bias)`` on ScalarE, optionally add-reducing into the lane registers."""
+    instr = "nisa.activation"
+    fn = as_activation(op, instr)
+    dst, data = _compute_tile(dst, instr, "dst", "scalar"), _compute_tile(data, instr, "data", "scalar")
+    _same_layout(instr, "dst", dst, "data", data)
+    values = _activation_values(instr, fn, data, bias, scale)
+    dst.write(values.reshape(dst.shape), instr)
+    run = runtime.current()
+    red = None
+    reduce_cmd = _CMD(reduce_cmd)
+    if reduce_op is not None or reduce_cmd != _CMD.idle:
+        red = as_alu(reduce_op if reduce_op is not None else _OPS["add"], instr, "reduce_op")
+        if red.name != "add":
+            raise rule(instr, "reduce_op", "ScalarE reduces with nl.add only", op=red.name)
+        stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
+        _accumulate(run.scalar_accumulator, data.partition_size, reduce_cmd, red, stored, None, instr)
+    _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
+    run.record("scalar", "activation", reads=_reads(data=data, bias=bias, scale=scale),
+               writes=_reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=red is not None)
+
+
+def activation_reduce(dst: Tensor, op: Any, data: Tensor, reduce_op: Any, reduce_res: Tensor, bias: Any = None,
+                      scale: Any = 1.0, name: str | None = None) -> None:
+    """``activation`` plus a reduction of its result along the free dims into ``reduce_res``."""
+    instr = "nisa.activation_reduce"
+    red = as_alu(reduce_op, instr, "reduce_op")
+    run = runtime.current()
+    if run.target.generation == 2 and red.name != "add":
+        raise rule(instr, "reduce_op", "NeuronCore-v2 reduces with nl.add only", op=red.name)
+    fn = as_activation(op, instr)
+    dst, data = _compute_tile(dst, instr, "dst", "scalar"), _compute_tile(data, instr, "data", "scalar")
+    _same_layout(instr, "dst", dst, "data", data)
+    values = _activation_values(instr, fn, data, bias, scale)
+    dst.write(values.reshape(dst.shape), instr)
+    stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
+    _accumulate(run.scalar_accumulator, data.partition_size, _CMD.reset_reduce, red, stored, None, instr)
+    _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
+    run.record("scalar", "activation", reads=_reads(data=data, bias=bias, scale=scale),
+               writes=_reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=True)
+
+
+_ACTIVATE2_COMBOS = {("multiply", "add"), ("multiply", "subtract"), ("multiply", "bypass"), ("add", "bypass"),
+                     ("subtract", "bypass"), ("bypass", "bypass")}
+
+
+def activate2(dst: Tensor, op: Any, data: Tensor, imm0: Any, imm1: Any, op0: Any, op1: Any, relu_param: Any = 0.0,
+              reverse0: bool = False, reverse1: bool = False, reduce_op: Any = None, reduce_res: Tensor | None = None,
+              reduce_cmd: reduce_cmd = reduce_cmd.idle, name: str | None = None) -> None:
+    """NeuronCore-v4 ScalarE: ``op((data <op0> imm0) <op1> imm1)`` with an optional reduction."""
+    instr = "nisa.activate2"
+    run = runtime.current()
+    if run.target.generation < 4:
+        raise rule(instr, "target", "activate2 needs NeuronCore-v4 (trn3)", target=run.target.name)
+    fn = as_activation(op, instr)
+    first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
+    if (first.name, second.name) not in _ACTIVATE2_COMBOS:
+        raise rule(instr, "op0/op1", "unsupported operator pair", op0=first.name, op1=second.name)
+    dst, data = _compute_tile(dst, instr, "dst", "scalar"), _compute_tile(data, instr, "data", "scalar")
+    _same_layout(instr, "dst", dst, "data", data)
+    parts = data.partition_size
+    x = _alu_apply(first, _rows(data), _scalar_or_vector(imm0, instr, "imm0", parts, "scalar"), reverse0)
+    x = _alu_apply(second, x, _scalar_or_vector(imm1, instr, "imm1", parts, "scalar"), reverse1)
+    if fn.name == "prelu":
+        slope = _scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
+        values = np.where(x >= 0, x, x * slope).astype(np.float32)
+    else:
+        values = fn.unary(np.broadcast_to(x, (parts, data.free_size)).astype(np.float32))
+    dst.write(values.reshape(dst.shape), instr)
+    if reduce_op is not None:
+        red = as_alu(reduce_op, instr, "reduce_op")
+        if red.name not in ("add", "maximum", "minimum", "abs_max", "abs_min"):
+            raise rule(instr, "reduce_op", "must be add, maximum, minimum, abs_max or abs_min", op=red.name)
+        _accumulate(run.scalar_accumulator, parts, reduce_cmd, red, np.asarray(values, dtype=np.float32),
+                    None, instr)
+    _read_out(reduce_res, run.scalar_accumulator, parts, instr, "scalar")
+    run.record("scalar", "activation", reads=_reads(data=data, imm0=imm0, imm1=imm1),
+               writes=_reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=reduce_op is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# GpSimd patterns and selection
+# ---------------------------------------------------------------------------------------------
+def _affine_values(instr: str, pattern: Sequence[Sequence[int]], offset: int, channel_multiplier: int,
+                   parts: int, free: int) -> np.ndarray:
+    if not 1 <= len(pattern) <= 4:
+        raise rule(instr, "pattern", "must have 1 to 4 [step, num] pairs", pattern=pattern)
+    steps = [int(s) for s, _ in pattern]
+    nums = [int(n) for _, n in pattern]
+    if int(np.prod(nums)) != free:
+        raise rule(instr, "pattern", "element count must equal dst's elements per partition",
+                   pattern_elements=int(np.prod(nums)), free_elements=free)
+    grids = np.meshgrid(*[np.arange(n, dtype=np.int64) for n in nums], indexing="ij")
+    free_part = sum(g * s for g, s in zip(grids, steps)).reshape(-1)
+    lanes = np.arange(parts, dtype=np.int64)[:, None] * int(channel_multiplier)
+    return int(offset) + lanes + free_part[None, :]
+
+
+def iota(dst: Tensor, pattern: Sequence[Sequence[int]], offset: int = 0, channel_multiplier: int = 0,
+         name: str | None = None) -> None:
+    """``dst[p, i] = offset + p * channel_multiplier + pattern(i)`` on GpSimd, in int32 arithmetic."""
+    instr = "nisa.iota"
+    dst = _compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
+    values = _affine_values(instr, pattern, offset, channel_multiplier, dst.partition_size, dst.free_size)
+    dst.write(values.astype(np.int32).astype(np.float64 if dtypes.is_float(dst.dtype) else np.int64).reshape(dst.shape), instr)
+    runtime.current().record("gpsimd", "iota", writes=[("dst", dst)])
+
+
+def affine_select(dst: Tensor, pattern: Sequence[Sequence[int]], channel_multiplier: int, on_true_tile: Tensor,
+                  on_false_value: float, cmp_op: Any = None, offset: int = 0, name: str | None = None) -> None:
+    """Keep ``on_true_tile`` where ``cmp_op(affine(p, i), 0)`` holds, else ``on_false_value`` (GpSimd)."""
+    instr = "nisa.affine_select"
+    compare = as_alu(cmp_op if cmp_op is not None else _OPS["equal"], instr, "cmp_op")
+    dst = _compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
+    on_true_tile = _compute_tile(on_true_tile, instr, "on_true_tile", "gpsimd", ("sbuf",))
+    _same_layout(instr, "dst", dst, "on_true_tile", on_true_tile)
+    if isinstance(on_false_value, Tensor):
+        raise rule(instr, "on_false_value", "must be a float32 scalar")
+    values = _affine_values(instr, pattern, offset, channel_multiplier, dst.partition_size, dst.free_size)
+    keep = compare.binary(values.astype(np.float32), np.float32(0)) != 0
+    chosen = np.where(keep, _rows(on_true_tile), np.float32(on_false_value))
+    dst.write(chosen.reshape(dst.shape), instr)
+    runtime.current().record("gpsimd", "affine_select", reads=[("on_true_tile", on_true_tile)], writes=[("dst", dst)])
+
+
+_RANGE_COMPARE = {"equal", "less", "less_equal", "greater", "greater_equal"}
+
+
+def range_select(dst: Tensor, on_true_tile: Tensor, comp_op0: Any, comp_op1: Any, bound0: Tensor, bound1: Tensor,
+                 reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce, reduce_res: Tensor | None = None,
+                 reduce_op: Any = None, range_start: int = 0, on_false_value: float = FP32_MIN,
+                 name: str | None = None) -> None:
+    """Keep elements whose free index (+ ``range_start``) satisfies both bounds; max-reduce the result."""
+    instr = "nisa.range_select"
+    run = runtime.current()
+    if run.target.generation < 3:
+        raise rule(instr, "target", "range_select needs NeuronCore-v3 or newer", target=run.target.name)
+    c0, c1 = as_alu(comp_op0, instr, "comp_op0"), as_alu(comp_op1, instr, "comp_op1")
+    for role, c in (("comp_op0", c0), ("comp_op1", c1)):
+        if c.name not in _RANGE_COMPARE:
+            raise rule(instr, role, "must be equal, less, less_equal, greater or greater_equal", op=c.name)
+    red = as_alu(reduce_op if reduce_op is not None else _OPS["maximum"], instr, "reduce_op")
+    if red.name != "maximum":
+        raise rule(instr, "reduce_op", "only nl.maximum is supported", op=red.name)
+    if float(on_false_value) != FP32_MIN:
+        raise rule(instr, "on_false_value", "the hardware fills with FP32_MIN only", value=on_false_value)
+    dst = _compute_tile(dst, instr, "dst", "vector")
+    on_true_tile = _compute_tile(on_true_tile, instr, "on_true_tile", "vector")
+    if not dtypes.is_float(on_true_tile.dtype):
+        raise rule(instr, "on_true_tile", "must be a float tile", dtype=dtypes.name(on_true_tile.dtype))
+    _same_layout(instr, "dst", dst, "on_true_tile", on_true_tile)
+    parts = on_true_tile.partition_size
+    b0 = _scalar_or_vector(bound0, instr, "bound0", parts, "vector")
+    b1 = _scalar_or_vector(bound1, instr, "bound1", parts, "vector")
+    index = (int(range_start) + np.arange(on_true_tile.free_size, dtype=np.float32))[None, :]
+    keep = (c0.binary(index, b0) != 0) & (c1.binary(index, b1) != 0)
+    chosen = np.where(keep, _rows(on_true_tile), np.float32(FP32_MIN)).astype(np.float32)
+    dst.write(chosen.reshape(dst.shape), instr)
+    _accumulate(run.vector_accumulator, parts, reduce_cmd, red, chosen, None, instr)
+    _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
+    run.record("vector", "range_select", reads=_reads(on_true_tile=on_true_tile, bound0=bound0, bound1=bound1),
+               writes=_reads(dst=dst, reduce_res=reduce_res))
+
+
+def select_reduce(dst: Tensor, predicate: Tensor, on_true: Tensor, on_false: Any, reduce_res: Tensor | None = None,
+                  reduce_cmd: reduce_cmd = reduce_cmd.idle, reduce_op: Any = None, reverse_pred: bool = False,
+                  name: str | None = None) -> None:
+    """``dst = where(predicate, on_true, on_false)``, optionally max-reducing into ``reduce_res``."""
+    instr = "nisa.select_reduce"
+    red = as_alu(reduce_op if reduce_op is not None else _OPS["maximum"], instr, "reduce_op")
+    if red.name != "maximum":
+        raise rule(instr, "reduce_op", "only nl.maximum is supported", op=red.name)
+    dst = _compute_tile(dst, instr, "dst", "vector")
+    predicate = _compute_tile(predicate, instr, "predicate", "vector")
+    on_true = _compute_tile(on_true, instr, "on_true", "vector")
+    _same_layout(instr, "dst", dst, "on_true", on_true)
+    _same_layout(instr, "dst", dst, "predicate", predicate)
+    _not_both_psum(instr, "on_true", on_true, "predicate", predicate)
+    if dtypes.name(on_true.dtype) in ("tfloat32", "int32", "uint32"):
+        raise rule(instr, "on_true", "tfloat32/int32/uint32 are not supported", dtype=dtypes.name(on_true.dtype))
+    if not _is_int(predicate):
+        raise rule(instr, "predicate", "must be an integer tile", dtype=dtypes.name(predicate.dtype))
+    parts = on_true.partition_size
+    fallback = _scalar_or_vector(on_false, instr, "on_false", parts, "vector")
+    mask = _rows(predicate) != 0
+    if reverse_pred:
+        mask = ~mask
+    chosen = np.where(mask, _rows(on_true), fallback).astype(np.float32)
+    dst.write(chosen.reshape(dst.shape), instr)
+    run = runtime.current()
+    _accumulate(run.vector_accumulator, parts, reduce_cmd, red, chosen, None, instr)
+    _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
+    run.record("vector", "select_reduce", reads=_reads(predicate=predicate, on_true=on_true, on_false=on_false),
+               writes=_reads(dst=dst, reduce_res=reduce_res))
+
+
+def _eight(instr: str, dst: Tensor, src: Tensor) -> None:
+    if not MAX8_MIN <= src.free_size <= MAX8_MAX:
+        raise rule(instr, "src", "needs 8 to 16384 elements per partition", free_elements=src.free_size)
+    if dst.partition_size != src.partition_size or dst.free_size != 8:
+        raise rule(instr, "dst", "must have shape (partitions, 8)", dst=list(dst.shape))
+
+
+def max8(dst: Tensor, src: Tensor, name: str | None = None) -> None:
+    """The 8 largest values of each partition, in descending order."""
+    instr = "nisa.max8"
+    dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
+    _eight(instr, dst, src)
+    values = -np.sort(-_rows(src).astype(np.float32), axis=1)[:, :8]
+    dst.write(values.reshape(dst.shape), instr)
+    runtime.current().record("vector", "max8", reads=[("src", src)], writes=[("dst", dst)])
+
+
+def _find_first(data: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    hits = data[:, None, :] == vals[:, :, None]
+    return np.where(hits.any(axis=2), hits.argmax(axis=2), 0)
+
+
+def nc_find_index8(dst: Tensor, data: Tensor, vals: Tensor, name: str | None = None) -> None:
+    """Index of the first occurrence of each of 8 values in each partition of ``data``."""
+    instr = "nisa.nc_find_index8"
+    dst = _compute_tile(dst, instr, "dst", "vector")
+    data, vals = _compute_tile(data, instr, "data", "vector"), _compute_tile(vals, instr, "vals", "vector")
+    _eight(instr, dst, data)
+    if dtypes.name(dst.dtype) not in ("uint16", "uint32"):
+        raise rule(instr, "dst", "must be uint16 or uint32", dtype=dtypes.name(dst.dtype))
+    if vals.free_size != 8 or vals.partition_size != data.partition_size:
+        raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
+    dst.write(_find_first(_rows(data).astype(np.float32), _rows(vals).astype(np.float32)).reshape(dst.shape), instr)
+    runtime.current().record("vector", "nc_find_index8", reads=[("data", data), ("vals", vals)], writes=[("dst", dst)])
+
+
+def nc_match_replace8(dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_idx: Tensor | None = None,
+                      name: str | None = None) -> None:
+    """Replace the first occurrence of each of 8 values with ``imm`` (and report where)."""
+    instr = "nisa.nc_match_replace8"
+    dst = _compute_tile(dst, instr, "dst", "vector")
+    data, vals = _compute_tile(data, instr, "data", "vector"), _compute_tile(vals, instr, "vals", "vector")
+    _same_layout(instr, "dst", dst, "data", data)
+    if vals.free_size != 8 or vals.partition_size != data.partition_size:
+        raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
+    rows = _rows(data).astype(np.float32).copy()
+    targets = _rows(vals).astype(np.float32)
+    index = np.zeros(targets.shape, dtype=np.int64)
+    lanes = np.arange(rows.shape[0])
+    # One value at a time, each searching the row as already replaced: a value repeated in
+    # ``vals`` (max8 of a row with a repeated maximum) consumes a distinct occurrence each time.
+    for j in range(targets.shape[1]):
+        hits = rows == targets[:, j:j + 1]
+        found = hits.any(axis=1)
+        first = hits.argmax(axis=1)
+        index[:, j] = np.where(found, first, 0)
+        rows[lanes[found], first[found]] = np.float32(imm)
+    dst.write(rows.reshape(dst.shape), instr)
+    if dst_idx is not None:
+        dst_idx = _compute_tile(dst_idx, instr, "dst_idx", "vector")
+        dst_idx.write(index.reshape(dst_idx.shape), instr)
+    runtime.current().record("vector", "nc_match_replace8", reads=[("data", data), ("vals", vals)],
+                             writes=_reads(dst=dst, dst_idx=dst_idx))
+
+
+def nc_n_gather(dst: Tensor, data: Tensor, indices: Tensor, name: str | None = None) -> None:
+    """Per-partition gather from the flattened free dims of ``data`` (GpSimd)."""
+    instr = "nisa.nc_n_gather"
+    dst = _compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
+    data = _compute_tile(data, instr, "data", "gpsimd", ("sbuf",))
+    indices = _compute_tile(indices, instr, "indices", "gpsimd", ("sbuf",))
+    if dtypes.name(indices.dtype) != "uint32":
+        raise rule(instr, "indices", "must be uint32", dtype=dtypes.name(indices.dtype))
+    if data.dtype != dst.dtype:
+        raise rule(instr, "dst", "must have data's dtype", dst=dtypes.name(dst.dtype), data=dtypes.name(data.dtype))
+    _same_layout(instr, "dst", dst, "indices", indices)
+    idx = np.asarray(indices.read()).reshape(indices.partition_size, -1).astype(np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= data.free_size):
+        raise rule(instr, "indices", "out of range of data's elements per partition",
+                   max_index=int(idx.max()), limit=data.free_size)
+    rows = np.asarray(data.read()).reshape(data.partition_size, -1)
+    dst.write(np.take_along_axis(rows, idx, axis=1).reshape(dst.shape), instr)
+    runtime.current().record("gpsimd", "nc_n_gather", reads=[("data", data), ("indices", indices)], writes=[("dst", dst)])
+
+
+def nc_stream_shuffle(dst: Tensor, src: Tensor, shuffle_mask: Sequence[int], name: str | None = None) -> None:
+    """Move partitions within each 32-partition quadrant: ``dst[i] = src[mask[i]]`` (255 keeps dst)."""
+    instr = "nisa.nc_stream_shuffle"
+    dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
+    if dst.dtype != src.dtype or dst.free_size != src.free_size:
+        raise rule(instr, "dst", "must match src's dtype and elements per partition")
+    mask = [int(m) for m in shuffle_mask]
+    if len(mask) != 32:
+        raise rule(instr, "shuffle_mask", "must have 32 entries", length=len(mask))
+    rows = np.asarray(src.read()).reshape(src.partition_size, -1)
+    out = np.asarray(dst.read()).reshape(dst.partition_size, -1).copy()
+    for p in range(dst.partition_size):
+        quadrant, lane = divmod(p, 32)
+        if mask[lane] != 255:
+            out[p] = rows[quadrant * 32 + mask[lane]]
+    dst.write(out.reshape(dst.shape), instr)
+    runtime.current().record("vector", "nc_stream_shuffle", reads=[("src", src)], writes=[("dst", dst)])
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------------
+def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
+    """Per partition: (count, mean, var*count) of the even and of the odd elements (≤512 per call)."""
+    instr = "nisa.bn_stats"
+    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
+    if data.free_size > BN_STATS_FMAX:
+        raise rule(instr, "data", "free size exceeds bn_stats_fmax", free_elements=data.free_size, limit=BN_STATS_FMAX)
+    if dst.partition_size != data.partition_size or dst.free_size != 6:
+        raise rule(instr, "dst", "must hold 6 statistics per partition", dst=list(dst.shape))
+    rows = _rows(data).astype(np.float32)
+    out = []
+    for half in (rows[:, 0::2], rows[:, 1::2]):
+        count = np.float32(half.shape[1])
+        mean = half.mean(axis=1, dtype=np.float32) if half.shape[1] else np.zeros(rows.shape[0], np.float32)
+        m2 = ((half - mean[:, None]) ** 2).sum(axis=1, dtype=np.float32)
+        out += [np.full(rows.shape[0], count, np.float32), mean, m2]
+    dst.write(np.stack(out, axis=1).reshape(dst.shape), instr)
+    runtime.current().record("vector", "bn_stats", reads=[("data", data)], writes=[("dst", dst)])
+
+
+def bn_aggr(dst: Tensor, data: Tensor, name: str | None = None) -> None:
+    """Combine (count, mean, var*count) triples into a mean and a (population) variance per partition."""
+    instr = "nisa.bn_aggr"
+    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
+    if data.free_size % 3:
+        raise rule(instr, "data", "elements per partition must be a multiple of 3", free_elements=data.free_size)
+    if dst.partition_size != data.partition_size or dst.free_size != 2:
+        raise rule(instr, "dst", "must hold (mean, variance) per partition", dst=list(dst.shape))
+    triples = _rows(data).astype(np.float32).reshape(data.partition_size, -1, 3)
+    count, mean, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
+    total = count.sum(axis=1)
+    with np.errstate(all="ignore"):
+        grand = (count * mean).sum(axis=1) / total
+        var = (m2 + count * (mean - grand[:, None]) ** 2).sum(axis=1) / total
+    dst.write(np.stack([grand, var], axis=1).reshape(dst.shape), instr)
+    runtime.current().record("vector", "bn_aggr", reads=[("data", data)], writes=[("dst", dst)])
+
+
+def exponential(dst: Tensor, src: Tensor, max_value: Any = 0.0, reduce_res: Tensor | None = None,
+                reduce_cmd: reduce_cmd = reduce_cmd.idle, reduce_init: Any = 0.0, name: str | None = None) -> None:
+    """NeuronCore-v4 VectorE: ``dst = exp(src - max_value)`` with an optional running sum."""
+    instr = "nisa.exponential"
+    run = runtime.current()
+    if not run.target.has_exponential:
+        raise rule(instr, "target", "exponential needs NeuronCore-v4 (trn3)", target=run.target.name)
+    dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
+    _same_layout(instr, "dst", dst, "src", src)
+    parts = src.partition_size
+    shift = _scalar_or_vector(max_value, instr, "max_value", parts, "vector")
+    with np.errstate(all="ignore"):
+        values = np.exp(_rows(src).astype(np.float32) - shift).astype(np.float32)
+    dst.write(values.reshape(dst.shape), instr)
+    if _CMD(reduce_cmd) != _CMD.idle:
+        _accumulate(run.vector_accumulator, parts, reduce_cmd, _OPS["add"],
+                    np.asarray(values, dtype=np.float32), reduce_init, instr)
+    _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
+    run.record("vector", "exponential", reads=_reads(src=src, max_value=max_value),
+               writes=_reads(dst=dst, reduce_res=reduce_res))
+
+
+# ---------------------------------------------------------------------------------------------
+# random numbers
+# ---------------------------------------------------------------------------------------------
+def rng(dst: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:
+    """32 random bits per element, truncated to ``dst``'s integer dtype (seed with set_rng_seed)."""
+    instr = "nisa.rng"
+    run = runtime.current()
+    allowed = ("vector",) if run.target.generation == 2 else ("vector", "gpsimd")
+    eng = _engine(engine, instr, allowed, "vector")
+    dst = _compute_tile(dst, instr, "dst", eng)
+    if not _is_int(dst):
+        raise rule(instr, "dst", "must be an integer tile", dtype=dtypes.name(dst.dtype))
+    bits = run.rng.integers(0, 2**32, size=dst.shape, dtype=np.uint64)
+    dst._view[...] = (bits & np.uint64((1 << (8 * dtypes.itemsize(dst.dtype))) - 1)).astype(dtypes.storage(dst.dtype))
+    if dst._buf.written is not None:
+        dst._written_view()[...] = True
+    run.record(eng, "rng", writes=[("dst", dst)])
+
+
+def set_rng_seed(src_seeds: Tensor, name: str | None = None) -> None:
+    """Seed the VectorE generator from a [1, 1] 32-bit tile."""
+    instr = "nisa.set_rng_seed"
+    src_seeds = _compute_tile(src_seeds, instr, "src_seeds", "vector")
+    if src_seeds.size != 1 or dtypes.itemsize(src_seeds.dtype) != 4:
+        raise rule(instr, "src_seeds", "must be a [1, 1] 32-bit tile", shape=list(src_seeds.shape),
+                   dtype=dtypes.name(src_seeds.dtype))
+    seed = int(np.asarray(src_seeds.read()).view(np.uint32).reshape(-1)[0])
+    run = runtime.current()
+    run.rng = np.random.default_rng(seed)
+    run.record("vector", "set_rng_seed", reads=[("src_seeds", src_seeds)])
+
+
+def rand2(dst: Tensor, min: Any, max: Any, name: str | None = None) -> None:
+    """NeuronCore-v4: uniform random values in [min, max]."""
+    instr = "nisa.rand2"
+    run = runtime.current()
+    if run.target.generation < 4:
+        raise rule(instr, "target", "rand2 needs NeuronCore-v4 (trn3)", target=run.target.name)
+    dst = _compute_tile(dst, instr, "dst", "vector")
+    parts = dst.partition_size
+    lo = _scalar_or_vector(min, instr, "min", parts, "vector")
+    hi = _scalar_or_vector(max, instr, "max", parts, "vector")
+    if np.any(np.asarray(lo) >= np.asarray(hi)):
+        raise rule(instr, "min/max", "min must be below max")
+    values = lo + (hi - lo) * run.rng.random((parts, dst.free_size), dtype=np.float32)
+    dst.write(values.reshape(dst.shape), instr)
+    run.record("vector", "rand2", reads=_reads(min=min, max=max), writes=[("dst", dst)])
+
+
+def dropout(dst: Tensor, data: Tensor, prob: Any, name: str | None = None) -> None:
+    """Zero each element with probability ``prob`` (scalar or [P, 1]); kept values are unscaled."""
+    instr = "nisa.dropout"
+    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
+    _same_layout(instr, "dst", dst, "data", data)
+    if dst.dtype != data.dtype:
+        raise rule(instr, "dst", "must have data's dtype", dst=dtypes.name(dst.dtype), data=dtypes.name(data.dtype))
+    parts = data.partition_size
+    p = _scalar_or_vector(prob, instr, "prob", parts, "vector")
+    run = runtime.current()
+    keep = run.rng.random((parts, data.free_size), dtype=np.float32) >= p
+    rows = np.asarray(data.read()).reshape(parts, -1)
+    dst.write(np.where(keep, rows, np.zeros((), rows.dtype)).reshape(dst.shape), instr)
+    run.record("vector", "dropout", reads=_reads(data=data, prob=prob), writes=[("dst", dst)])
+
+
+def dma_compute(dst: Tensor, srcs: Sequence[Tensor], reduce_op: Any, scales: Sequence[float] | None = None,
+                unique_indices: bool = True, oob_mode: oob_mode = oob_mode.error, name: str | None = None) -> None:
+    """``dst = srcs[0] + srcs[1] + ...`` computed in fp32 by the DMA engines."""
+    instr = "nisa.dma_compute"
+    red = as_alu(reduce_op, instr, "reduce_op")
+    if red.name != "add":
+        raise rule(instr, "reduce_op", "only nl.add is supported", op=red.name)
+    if scales is not None and any(float(s) != 1.0 for s in scales):
+        raise rule(instr, "scales", "all scales must be 1.0", scales=list(scales))
+    if not 1 <= len(srcs) <= 16:
+        raise rule(instr, "srcs", "takes 1 to 16 source tensors", count=len(srcs))
+    dst = _tile(dst, instr, "dst")
+    _where(dst, instr, "dst", ("hbm", "sbuf"))
+    total = np.zeros(dst.size, dtype=np.float32)
+    for i, src in enumerate(srcs):
+        src = _tile(src, instr, f"srcs[{i}]")
+        _where(src, instr, f"srcs[{i}]", ("hbm", "sbuf"))
+        if src.size != dst.size:
+            raise rule(instr, f"srcs[{i}]", "element count differs from dst", src=list(src.shape), dst=list(dst.shape))
+        total = total + dtypes.to_engine(np.asarray(src.read())).reshape(-1)
+    dst.write(total.reshape(dst.shape), instr)
+    runtime.current().record("dma", "dma_compute", reads=[(f"srcs[{i}]", s) for i, s in enumerate(srcs)],
+                             writes=[("dst", dst)], bytes_moved=dst.nbytes * (len(srcs) + 1),
+                             partitions=dst.partition_size, bytes_per_partition=dst.nbytes // max(dst.partition_size, 1),
+                             contiguous_bytes=_contiguous_bytes(dst))
+
+
+# ---------------------------------------------------------------------------------------------
+# registers (dynamic control flow)
+# ---------------------------------------------------------------------------------------------
+class VirtualRegister:
+    """An engine-sequencer register; in the simulator it simply holds a Python int."""
+
+    def __init__(self, state: int | None = None, frozen: bool = False) -> None:
+        self.value = state
+        self.frozen = frozen
+
+    def __int__(self) -> int:
+        if self.value is None:
+            raise NkiValidationError("register read before any value was moved or loaded into it")
+        return int(self.value)
+
+    __index__ = __int__
+
+    def __bool__(self) -> bool:
+        return int(self) != 0
+
+    def __repr__(self) -> str:
+        return f"VirtualRegister({self.value})"
+
+
+def register_alloc(x: int | None = None) -> VirtualRegister:
+    return VirtualRegister(x)
+
+
+def register_move(dst: VirtualRegister, src: int | VirtualRegister) -> None:
+    dst.value = int(src)
+
+
+def register_load(dst: VirtualRegister, src: Tensor) -> None:
+    src = _tile(src, "nisa.register_load", "src")
+    if src.size != 1:
+        raise rule("nisa.register_load", "src", "must hold exactly one element", shape=list(src.shape))
+    dst.value = int(np.asarray(dtypes.to_engine(np.asarray(src.read()))).reshape(-1)[0])
+
+
+def register_store(dst: Tensor, src: VirtualRegister) -> None:
+    dst = _tile(dst, "nisa.register_store", "dst")
+    if dst.size != 1:
+        raise rule("nisa.register_store", "dst", "must hold exactly one element", shape=list(dst.shape))
+    dst.write(np.full(dst.shape, int(src)), "nisa.register_store")
+
+
+# Documented instructions this simulator does not execute: calling them says so plainly.
+for _name in ("nc_matmul_mx", "quantize_mx", "local_gather", "sequence_bounds", "nonzero_with_count",
+              "core_barrier", "sendrecv", "rand_set_state", "rand_get_state"):
+    globals()[_name] = unsupported(f"nisa.{_name}")
+del _name

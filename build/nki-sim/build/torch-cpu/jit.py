@@ -1,0 +1,195 @@
+"""``nki.jit`` / ``nki.simulate``: run a kernel function on NumPy arrays or torch CPU tensors.
+
+Arguments become HBM tensors that share the caller's memory (so in-place writes reach the
+caller); returned HBM tensors come back as arrays of the caller's kind (torch in, torch out).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from . import dtypes, runtime
+from .errors import NkiValidationError
+from .targets import Target, resolve
+from .tensor import Tensor
+from .trace import Trace
+
+_captures = threading.local()
+
+
+class KernelInterfaceError(NkiValidationError, TypeError):
+    """A kernel's arguments or return value break NKI's calling rules (also a ``TypeError``)."""
+
+
+@dataclass
+class SimResult:
+    """What a simulated launch produced: the kernel's return value and its instruction trace."""
+
+    outputs: Any
+    trace: Trace
+
+
+class Kernel:
+    """A function decorated with ``@nki.jit``: call it to simulate, index it to launch an SPMD grid."""
+
+    def __init__(self, func: Callable[..., Any], grid: tuple[int, ...] | None = None, **options: Any) -> None:
+        if isinstance(func, Kernel):
+            func = func.func
+        if not callable(func):
+            raise TypeError(f"nki.jit expects a function, got {type(func).__name__}")
+        self.func = func
+        self.grid = grid
+        self.options = options
+        functools.update_wrapper(self, func)
+
+    def __getitem__(self, grid: Any) -> "Kernel":
+        grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+        if not grid or any(int(g) < 1 for g in grid):
+            raise ValueError(f"SPMD grid sizes must be positive integers, got {grid}")
+        return Kernel(self.func, tuple(int(g) for g in grid), **self.options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if runtime.active() is not None and self.grid is None:
+            # A jit kernel called from inside a running kernel is inlined, as the compiler does:
+            # same run, same memory accounting, same trace.
+            return self.func(*args, **kwargs)
+        return launch(self, args, kwargs).outputs
+
+    def __repr__(self) -> str:
+        grid = f"[{', '.join(map(str, self.grid))}]" if self.grid else ""
+        return f"<nki kernel {self.func.__name__}{grid}>"
+
+
+def jit(func: Callable[..., Any] | None = None, mode: str = "auto", **kwargs: Any) -> Any:
+    """Decorate an NKI kernel; usable bare (``@nki.jit``) or with options (``@nki.jit(mode=...)``)."""
+    if func is None:
+        return lambda f: Kernel(f, mode=mode, **kwargs)
+    return Kernel(func, mode=mode, **kwargs)
+
+
+def simulate(kernel: Callable[..., Any]) -> Kernel:
+    """``nki.simulate(kernel)(*args)``: run ``kernel`` on the CPU simulator (also ``[grid]``-indexable)."""
+    return kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+
+
+def run(kernel: Callable[..., Any], *args: Any, target: str | Target | None = None, grid: Any = None,
+        capacity: str = "error", seed: int = 0, **kwargs: Any) -> SimResult:
+    """Simulate one launch and return its outputs together with its trace.
+
+    ``target`` is "trn1", "trn2" (default) or "trn3" (else ``NEURON_PLATFORM_TARGET_OVERRIDE``);
+    ``capacity="warn"`` turns SBUF/PSUM overflow errors into warnings.
+    """
+    k = simulate(kernel)
+    if grid is not None:
+        k = k[grid]
+    return launch(k, args, kwargs, target=target, capacity=capacity, seed=seed)
+
+
+class capture:
+    """Collect the traces of every kernel launched inside a ``with`` block (e.g. a model forward)."""
+
+    def __enter__(self) -> list[Trace]:
+        self.traces: list[Trace] = []
+        stack = getattr(_captures, "stack", None)
+        if stack is None:
+            stack = _captures.stack = []
+        stack.append(self.traces)
+        return self.traces
+
+    def __exit__(self, *exc: object) -> None:
+        _captures.stack.remove(self.traces)
+
+
+def launch(kernel: Kernel, args: tuple, kwargs: dict, *, target: str | Target | None = None,
+           capacity: str = "error", seed: int = 0) -> SimResult:
+    chosen = resolve(target)
+    torch_in = any(_is_torch(a) for a in itertools.chain(args, kwargs.values()))
+    trace = Trace(chosen.name)
+    grid = kernel.grid or (1,)
+    shared: dict[int, runtime.Buffer] = {}
+    outputs: Any = None
+    for program in np.ndindex(*grid):
+        rt = runtime.Run(chosen, capacity=capacity, program_id=tuple(int(p) for p in program), grid=grid,
+                         trace=trace, shared=shared, seed=seed)
+        rt.explicit_grid = kernel.grid is not None
+        with runtime.activate(rt):
+            hbm_args = [_to_hbm(rt, a, f"arg{i}") for i, a in enumerate(args)]
+            hbm_kwargs = {k: _to_hbm(rt, v, k) for k, v in kwargs.items()}
+            returned = kernel.func(*hbm_args, **hbm_kwargs)
+            outputs = _from_hbm(returned, torch_in)
+    for sink in getattr(_captures, "stack", None) or ():
+        sink.append(trace)
+    return SimResult(outputs, trace)
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _to_hbm(rt: runtime.Run, value: Any, name: str) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_hbm(rt, v, f"{name}[{i}]") for i, v in enumerate(value))
+    if _is_torch(value):
+        value = _torch_to_numpy(value)
+    if isinstance(value, np.ndarray):
+        if value.dtype == np.float64 or value.dtype == np.int64:
+            raise KernelInterfaceError(
+                f"nki.jit: argument {name!r}: dtype {value.dtype} has no NKI engine support "
+                f"(shape={list(value.shape)}); pass float32/bfloat16/int32 data"
+            )
+        if not value.flags.writeable:
+            value = value.copy()
+        return Tensor(rt.wrap_hbm(value, name))
+    return value
+
+
+def _torch_to_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    if t.device.type != "cpu":
+        raise TypeError(f"the NKI simulator runs on CPU tensors; got a tensor on {t.device}")
+    t = t.detach()
+    bits = {torch.bfloat16: (torch.int16, dtypes.bfloat16), torch.float8_e4m3fn: (torch.uint8, dtypes.float8_e4m3fn),
+            torch.float8_e5m2: (torch.uint8, dtypes.float8_e5m2)}.get(t.dtype)
+    if bits is not None:
+        return t.view(bits[0]).numpy().view(bits[1])
+    return t.numpy()
+
+
+def _numpy_to_torch(a: np.ndarray) -> Any:
+    import torch
+
+    bits = {dtypes.bfloat16: (np.int16, torch.bfloat16), dtypes.float8_e4m3fn: (np.uint8, torch.float8_e4m3fn),
+            dtypes.float8_e5m2: (np.uint8, torch.float8_e5m2)}.get(a.dtype)
+    if bits is not None:
+        return torch.from_numpy(a.view(bits[0])).view(bits[1])
+    if a.dtype == dtypes.float8_e4m3:  # IEEE-style e4m3 has no torch dtype
+        return torch.from_numpy(a.astype(np.float32))
+    return torch.from_numpy(a)
+
+
+def _from_hbm(value: Any, torch_out: bool) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_from_hbm(v, torch_out) for v in value)
+    if isinstance(value, dict):
+        return {k: _from_hbm(v, torch_out) for k, v in value.items()}
+    if isinstance(value, Tensor):
+        if value.on_chip:
+            raise KernelInterfaceError(
+                f"nki.jit: return value: {value!r} is in {value.buffer.upper()}; kernels return HBM tensors: "
+                "dma_copy it into an nl.shared_hbm tensor first"
+            )
+        if value.buffer != "shared_hbm":
+            raise KernelInterfaceError(
+                f"nki.jit: return value: {value!r} is in private HBM ({value.buffer}); kernel outputs "
+                "must be allocated with buffer=nl.shared_hbm"
+            )
+        array = np.array(value.read(), copy=True)
+        return _numpy_to_torch(array) if torch_out else array
+    return value

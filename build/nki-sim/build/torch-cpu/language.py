@@ -1,0 +1,511 @@
+"""``nki.language``: allocation, indexing helpers, SPMD queries and the tile-level convenience ops.
+
+Convenience ops (``nl.exp``, ``nl.matmul``, ``nl.load``, ``a + b`` ...) are lowered to the same
+``nki.isa`` instructions the compiler would emit, so they are checked and traced like any
+hand-written instruction.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from . import dtypes, isa, ops, runtime
+from .dtypes import (  # noqa: F401  (re-exported: nl.float32 etc.)
+    bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4, float8_e5m2,
+    float8_e5m2_x4, float16, float32, int8, int16, int32, tfloat32, uint8, uint16, uint32,
+)
+from .errors import rule
+from .targets import resolve as _resolve_target
+from .tensor import DynSlice, Tensor
+
+NkiTensor = Tensor
+ndarray_type = Tensor
+
+sbuf = "sbuf"
+psum = "psum"
+hbm = "hbm"
+private_hbm = "private_hbm"
+shared_hbm = "shared_hbm"
+_BUFFERS = (sbuf, psum, hbm, private_hbm, shared_hbm)
+
+
+class NKIObject:
+    """Base class for user objects passed through NKI kernels (carries no behaviour here)."""
+
+
+class _TileSizeMeta(type):
+    """Tile-size constants, read for the running kernel's target (trn2 outside a kernel)."""
+
+    @property
+    def _target(cls):
+        run = runtime.active()
+        return run.target if run is not None else _resolve_target(None)
+
+    @property
+    def pmax(cls) -> int:
+        return cls._target.partitions
+
+    @property
+    def psum_fmax(cls) -> int:
+        return cls._target.psum_bank_bytes // 4  # fp32 elements in one PSUM bank
+
+    @property
+    def gemm_stationary_fmax(cls) -> int:
+        return cls._target.gemm_stationary_fmax
+
+    @property
+    def gemm_moving_fmax(cls) -> int:
+        return cls._target.gemm_moving_fmax
+
+    @property
+    def bn_stats_fmax(cls) -> int:
+        return isa.BN_STATS_FMAX
+
+    @property
+    def psum_min_align(cls) -> int:
+        return 4
+
+    @property
+    def sbuf_min_align(cls) -> int:
+        return 32
+
+    @property
+    def total_available_sbuf_size(cls) -> int:
+        return cls._target.sbuf_bytes_per_partition
+
+
+class tile_size(NKIObject, metaclass=_TileSizeMeta):
+    """Tile size constants (``nl.tile_size.pmax`` ...), per the running kernel's target."""
+
+
+# ---------------------------------------------------------------------------------------------
+# allocation
+# ---------------------------------------------------------------------------------------------
+def _check_alloc(shape: Sequence[int], buffer: str, what: str) -> tuple[int, ...]:
+    if buffer not in _BUFFERS:
+        raise ValueError(f"{what}: unknown buffer {buffer!r}; use nl.sbuf, nl.psum, nl.hbm or nl.shared_hbm")
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    shape = tuple(int(s) for s in shape)
+    if any(s <= 0 for s in shape):
+        raise ValueError(f"{what}: every dim must be positive, got {list(shape)}")
+    if buffer in runtime.ON_CHIP:
+        if len(shape) < 2:
+            raise rule(what, "shape", "on-chip tensors need a partition dim and at least one free dim",
+                       shape=list(shape))
+        limit = runtime.current().target.partitions
+        if shape[0] > limit:
+            raise rule(what, "shape", "partition dim (dim 0) exceeds the partition count",
+                       partitions=shape[0], limit=limit)
+    return shape
+
+
+def ndarray(shape: Sequence[int], dtype: Any, buffer: str | None = None, name: str | None = "",
+            address: Any = None) -> Tensor:
+    """A new tensor of ``shape``/``dtype`` in ``buffer`` (SBUF by default), uninitialized (NaN).
+
+    ``address`` (a compiler placement hint) is accepted and ignored: the simulator allocates
+    every tensor separately.
+    """
+    buffer = sbuf if buffer is None else buffer
+    name = name or ""
+    shape = _check_alloc(shape, buffer, "nl.ndarray")
+    return Tensor(runtime.current().allocate(shape, dtypes.canonical(dtype), buffer, name))
+
+
+def _filled(shape: Sequence[int], value: Any, dtype: Any, buffer: str | None, name: str, what: str) -> Tensor:
+    buffer = sbuf if buffer is None else buffer
+    shape = _check_alloc(shape, buffer, what)
+    dt = dtypes.canonical(dtype)
+    run = runtime.current()
+    if buffer in runtime.ON_CHIP:
+        out = Tensor(run.allocate(shape, dt, buffer, name))
+        isa.memset(out, value)
+        return out
+    return Tensor(run.allocate(shape, dt, buffer, name, fill=value))
+
+
+def zeros(shape: Sequence[int], dtype: Any, buffer: str | None = None, name: str = "") -> Tensor:
+    return _filled(shape, 0, dtype, buffer, name, "nl.zeros")
+
+
+def ones(shape: Sequence[int], dtype: Any, buffer: str | None = None, name: str = "") -> Tensor:
+    return _filled(shape, 1, dtype, buffer, name, "nl.ones")
+
+
+def full(shape: Sequence[int], fill_value: Any, dtype: Any, buffer: str | None = None, name: str = "") -> Tensor:
+    return _filled(shape, fill_value, dtype, buffer, name, "nl.full")
+
+
+def zeros_like(x: Tensor, dtype: Any = None, buffer: str | None = None, name: str = "") -> Tensor:
+    return zeros(x.shape, x.dtype if dtype is None else dtype, x.buffer if buffer is None else buffer, name)
+
+
+def empty_like(x: Tensor, dtype: Any = None, buffer: str | None = None, name: str = "") -> Tensor:
+    return ndarray(x.shape, x.dtype if dtype is None else dtype, x.buffer if buffer is None else buffer, name)
+
+
+def shared_constant(constant: Any, dtype: Any = None) -> Tensor:
+    """An HBM tensor holding ``constant`` (an array or array-like)."""
+    values = np.asarray(constant)
+    dt = dtypes.canonical(values.dtype if dtype is None else dtype)
+    buf = runtime.current().allocate(values.shape, dt, shared_hbm, "shared_constant", fill=0)
+    buf.data[...] = dtypes.cast(values, dt)
+    return Tensor(buf)
+
+
+def shared_identity_matrix(n: int, dtype: Any = "uint8") -> Tensor:
+    """An ``n × n`` identity matrix in HBM."""
+    return shared_constant(np.eye(int(n)), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# indexing, loops, SPMD
+# ---------------------------------------------------------------------------------------------
+def ds(start: int, size: int) -> DynSlice:
+    """``size`` elements from ``start``: the same as ``start:start + size``."""
+    return DynSlice(int(start), int(size))
+
+
+def _range(start: Any, stop: Any = None, step: int = 1) -> range:
+    if stop is None:
+        start, stop = 0, start
+    return range(int(start), int(stop), int(step))
+
+
+def affine_range(start: Any, stop: Any = None, step: int = 1) -> range:
+    """Loop iterator for iterations without carried dependencies (runs in order here)."""
+    return _range(start, stop, step)
+
+
+def sequential_range(start: Any, stop: Any = None, step: int = 1) -> range:
+    """Loop iterator for iterations with carried dependencies."""
+    return _range(start, stop, step)
+
+
+def static_range(start: Any, stop: Any = None, step: int = 1) -> range:
+    """Fully unrolled loop iterator."""
+    return _range(start, stop, step)
+
+
+def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> range:
+    """Loop with bounds from registers (``nisa.register_alloc``) or ints."""
+    return _range(start, stop, step)
+
+
+def fori_loop(lower: Any, upper: Any, body: Any) -> None:
+    """Run ``body(i)`` for ``i`` in ``[lower, upper)`` (NKI 0.6's dynamic loop)."""
+    for i in range(int(lower), int(upper)):
+        body(i)
+
+
+def while_loop(condition: Any, body: Any) -> None:
+    """Run ``condition = body()`` while ``condition`` (a register or int) is non-zero."""
+    while int(condition):
+        condition = body()
+
+
+def par_dim(size: int) -> int:
+    """Mark a shape entry as the partition dim (older NKI); the partition dim is always dim 0 now."""
+    return size
+
+
+def program_id(axis: int = 0) -> int:
+    """Index of this program along ``axis`` of the SPMD launch grid."""
+    run = runtime.current()
+    if not 0 <= axis < len(run.grid):
+        raise IndexError(f"nl.program_id: axis {axis} outside a {len(run.grid)}-d launch grid {run.grid}")
+    return run.program_id[axis]
+
+
+def num_programs(axes: Any = 0) -> int:
+    """Programs along ``axes`` of the launch grid (axis 0 by default, as in NKI; None: all of them)."""
+    grid = runtime.current().grid
+    if axes is None:
+        return int(np.prod(grid))
+    if isinstance(axes, (list, tuple)):
+        return int(np.prod([grid[a] for a in axes]))
+    return grid[axes]
+
+
+def program_ndim() -> int:
+    """Dimensions of the SPMD launch grid (0 without a grid)."""
+    run = runtime.current()
+    return 0 if run.grid == (1,) and not getattr(run, "explicit_grid", False) else len(run.grid)
+
+
+def device_print(print_prefix: str, tensor: Tensor) -> None:
+    """Print a tensor's current values now (on hardware this goes to the runtime's debug dir)."""
+    values = np.asarray(tensor.read())
+    print(f"{print_prefix} {tensor!r}:\n{values.astype(np.float32) if dtypes.is_float(tensor.dtype) else values}")
+
+
+@contextlib.contextmanager
+def no_reorder() -> Iterator[None]:
+    """Ask the compiler to keep instruction order; the simulator always does."""
+    yield
+
+
+def is_hbm(buffer: str) -> bool:
+    return buffer in runtime.HBM_KINDS
+
+
+def is_sbuf(buffer: str) -> bool:
+    return buffer == sbuf
+
+
+def is_psum(buffer: str) -> bool:
+    return buffer == psum
+
+
+def is_on_chip(buffer: str) -> bool:
+    return buffer in runtime.ON_CHIP
+
+
+# ---------------------------------------------------------------------------------------------
+# data movement
+# ---------------------------------------------------------------------------------------------
+def load(src: Tensor, dtype: Any = None) -> Tensor:
+    """Copy an HBM tensor into a new SBUF tile (dim 0 becomes the partition dim)."""
+    out = ndarray(src.shape, src.dtype if dtype is None else dtype, buffer=sbuf)
+    isa.dma_copy(out, src)
+    return out
+
+
+def store(dst: Tensor, value: Tensor) -> None:
+    """Copy a tile into an HBM tensor (a PSUM tile is first copied to SBUF, as DMA cannot read PSUM)."""
+    if isinstance(value, Tensor) and value.buffer == psum:
+        value = _to_sbuf(value)
+    isa.dma_copy(dst, value)
+
+
+def load_transpose2d(src: Tensor, dtype: Any = None) -> Tensor:
+    """Load a 2-D HBM tensor transposed, with the DMA engine."""
+    if src.ndim != 2:
+        raise ValueError(f"nl.load_transpose2d: expected a 2-D tensor, got {list(src.shape)}")
+    out = ndarray((src.shape[1], src.shape[0]), src.dtype if dtype is None else dtype, buffer=sbuf)
+    isa.dma_transpose(out, src)
+    return out
+
+
+def _to_sbuf(x: Tensor, dtype: Any = None) -> Tensor:
+    """A VectorE copy of ``x`` into a new SBUF tile (``nl.copy`` itself is ScalarE's activation copy)."""
+    out = ndarray(x.shape, x.dtype if dtype is None else dtype, buffer=sbuf)
+    isa.tensor_copy(out, x)
+    return out
+
+
+def transpose(x: Tensor, dtype: Any = None) -> Tensor:
+    """2-D transpose on TensorE into a new PSUM tile."""
+    out = ndarray((x.free_size, x.partition_size), x.dtype if dtype is None else dtype, buffer=psum)
+    isa.nc_transpose(out, x)
+    return out
+
+
+def matmul(x: Tensor, y: Tensor, transpose_x: bool = False) -> Tensor:
+    """``x @ y`` into a new fp32 PSUM tile (``x`` given as [K, M] when ``transpose_x``)."""
+    if not transpose_x:
+        # TensorE contracts over partitions: bring x to [K, M] first, as the compiler would.
+        x = _to_sbuf(transpose(x))
+    out = ndarray((x.free_size, y.free_size), float32, buffer=psum)
+    isa.nc_matmul(out, x, y, accumulate=False)
+    out._buf.origin = ("matmul", runtime.current().trace.instructions[-1].index, x, y)
+    return out
+
+
+def _assign(dst: Tensor, value: Any) -> None:
+    """``tile[...] = value``: a copy instruction (DMA when HBM is involved), or a memset."""
+    if isinstance(value, Tensor):
+        if dst.buffer in runtime.HBM_KINDS or value.buffer in runtime.HBM_KINDS:
+            store(dst, value)
+        else:
+            isa.tensor_copy(dst, value)
+    elif dst.on_chip:
+        isa.memset(dst, value)
+    else:
+        raise rule("tensor assignment", "dst", f"cannot assign a constant to HBM tensor {dst!r}; "
+                   "memset an SBUF tile and dma_copy it", value=value)
+
+
+def _accumulate_into(dst: Tensor, value: Any) -> None:
+    """``dst += value``; ``psum += nl.matmul(...)`` accumulates in PSUM like the compiler's lowering."""
+    origin = getattr(value, "_buf", None) and value._buf.origin
+    trace = runtime.current().trace.instructions
+    if origin and dst.buffer == psum and trace and trace[-1].index == origin[1]:
+        trace.pop()  # the standalone matmul is replaced by one that accumulates into dst
+        isa.nc_matmul(dst, origin[2], origin[3])
+        return
+    if isinstance(value, Tensor):
+        isa.tensor_tensor(dst, dst, value, ops.ALL["add"])
+    else:
+        isa.tensor_scalar(dst, dst, ops.ALL["add"], value)
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise math
+# ---------------------------------------------------------------------------------------------
+_PRECISION = [bool_, uint8, int8, uint16, int16, uint32, int32, float8_e5m2, float8_e4m3, float8_e4m3fn,
+              bfloat16, float16, tfloat32, float32]
+
+
+def _promote(*values: Any) -> dtypes.DType:
+    tiles = [v.dtype for v in values if isinstance(v, Tensor)]
+    if any(isinstance(v, float) for v in values) and all(not dtypes.is_float(t) for t in tiles):
+        return float32
+    return builtins.max(tiles, key=lambda d: _PRECISION.index(d) if d in _PRECISION else len(_PRECISION))
+
+
+def _unary(op: ops.Op, x: Tensor, dtype: Any = None) -> Tensor:
+    out = ndarray(x.shape, _promote(x) if dtype is None else dtype, buffer=sbuf)
+    if op.kind == "bitvec":  # invert: xor with all ones
+        isa.tensor_scalar(out, x, ops.ALL["bitwise_xor"], -1)
+    elif op.kind == "logical":
+        isa.tensor_scalar(out, x, ops.ALL["equal"], 0.0)
+    else:
+        isa.activation(out, op, x)
+    return out
+
+
+def _is_column(t: Tensor, parts: int) -> bool:
+    return t.ndim >= 2 and t.shape[0] == parts and all(s == 1 for s in t.shape[1:])
+
+
+def _column_operand(column: Tensor, op: ops.Op) -> Tensor:
+    """tensor_scalar's arithmetic operators take fp32 vector operands: copy-cast others first."""
+    if op.kind == "bitvec" or dtypes.name(column.dtype) == "float32":
+        return column
+    return _to_sbuf(column, float32)
+
+
+def _binary(op: ops.Op, x: Any, y: Any, dtype: Any = None) -> Any:
+    if not isinstance(x, Tensor) and not isinstance(y, Tensor):
+        return op.binary(np.float32(x), np.float32(y)).item()
+    out_dtype = _promote(x, y) if dtype is None else dtype
+    if not isinstance(y, Tensor) or not isinstance(x, Tensor):
+        tile, scalar, reverse = (x, y, False) if isinstance(x, Tensor) else (y, x, True)
+        out = ndarray(tile.shape, out_dtype, buffer=sbuf)
+        isa.tensor_scalar(out, tile, op, float(scalar), reverse0=reverse)
+        return out
+    shape = np.broadcast_shapes(x.shape, y.shape)
+    if x.shape == shape and y.shape != shape and _is_column(y, shape[0]):
+        out = ndarray(shape, out_dtype, buffer=sbuf)
+        isa.tensor_scalar(out, x, op, _column_operand(y, op))
+        return out
+    if y.shape == shape and x.shape != shape and _is_column(x, shape[0]):
+        out = ndarray(shape, out_dtype, buffer=sbuf)
+        isa.tensor_scalar(out, y, op, _column_operand(x, op), reverse0=True)
+        return out
+    out = ndarray(shape, out_dtype, buffer=sbuf)
+    isa.tensor_tensor(out, x.broadcast_to(shape), y.broadcast_to(shape), op)
+    return out
+
+
+def _make_unary(op: ops.Op):
+    def fn(x: Tensor, dtype: Any = None) -> Tensor:
+        return _unary(op, x, dtype)
+
+    fn.__name__ = op.name
+    fn.__doc__ = f"Element-wise ``{op.name}`` of a tile into a new SBUF tile."
+    return fn
+
+
+def _make_binary(op: ops.Op):
+    def fn(x: Any, y: Any, dtype: Any = None) -> Any:
+        return _binary(op, x, y, dtype)
+
+    fn.__name__ = op.name
+    fn.__doc__ = f"Element-wise ``{op.name}`` of two tiles (or a tile and a scalar / [P, 1] column)."
+    return fn
+
+
+for _op in ops.ALL.values():
+    _op.language_fn = _make_unary(_op) if (_op.binary is None or _op.name in ("abs", "rsqrt", "reciprocal")) \
+        else _make_binary(_op)
+    globals()[_op.name] = _op
+del _op
+
+
+def where(condition: Tensor, x: Any, y: Any, dtype: Any = None) -> Tensor:
+    """``x`` where ``condition`` is non-zero, else ``y``."""
+    shape = condition.shape
+    out = ndarray(shape, _promote(x, y) if dtype is None else dtype, buffer=sbuf)
+    _assign(out, y)
+    predicate = ndarray(shape, uint8, buffer=sbuf)
+    isa.tensor_scalar(predicate, condition, ops.ALL["not_equal"], 0.0)
+    isa.tensor_copy_predicated(out, x if not isinstance(x, Tensor) else _to_sbuf(x, out.dtype) if x.dtype != out.dtype else x,
+                               predicate)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions
+# ---------------------------------------------------------------------------------------------
+class _Reduction:
+    """``nl.sum`` / ``nl.max`` / ...: a function, and also usable as the matching ALU ``op``."""
+
+    def __init__(self, name: str, alu: str) -> None:
+        self.name = name
+        self.alu_op = ops.ALL[alu]
+
+    def __call__(self, x: Tensor, axis: Any, dtype: Any = None, keepdims: bool = False) -> Tensor:
+        axes = tuple(sorted(a % x.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])))
+        kept = tuple(1 if d in axes else n for d, n in enumerate(x.shape)) if keepdims else \
+            tuple(n for d, n in enumerate(x.shape) if d not in axes)
+        if len(kept) < 2:
+            kept = kept + (1,) * (2 - len(kept))
+        out = ndarray(kept, x.dtype if dtype is None else dtype, buffer=sbuf)
+        isa.tensor_reduce(out, self.alu_op, x, axes, keepdims=keepdims)
+        if self.name == "mean":
+            count = int(np.prod([x.shape[a] for a in axes]))
+            isa.tensor_scalar(out, out, ops.ALL["multiply"], 1.0 / count)
+        return out
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+
+sum = _Reduction("sum", "add")  # noqa: A001  (NKI's names)
+max = _Reduction("max", "maximum")  # noqa: A001
+min = _Reduction("min", "minimum")  # noqa: A001
+prod = _Reduction("prod", "multiply")
+mean = _Reduction("mean", "add")
+
+
+def softmax(x: Tensor, axis: int = -1, dtype: Any = None) -> Tensor:
+    """Numerically stable softmax along the last free axis: max, exp(x - max) with sum, scale."""
+    if axis % x.ndim != x.ndim - 1 or x.ndim < 2:
+        raise ValueError(f"nl.softmax: only the last free axis is supported, got axis={axis} for {list(x.shape)}")
+    parts = x.partition_size
+    row_max = ndarray((parts, 1), float32, buffer=sbuf)
+    isa.tensor_reduce(row_max, ops.ALL["maximum"], x, x.ndim - 1, negate=True)
+    out = ndarray(x.shape, x.dtype if dtype is None else dtype, buffer=sbuf)
+    total = ndarray((parts, 1), float32, buffer=sbuf)
+    isa.activation_reduce(out, ops.ALL["exp"], x, ops.ALL["add"], total, bias=row_max)
+    inverse = ndarray((parts, 1), float32, buffer=sbuf)
+    isa.reciprocal(inverse, total)
+    isa.tensor_scalar(out, out, ops.ALL["multiply"], inverse)
+    return out
+
+
+def dropout(x: Tensor, rate: Any, dtype: Any = None) -> Tensor:
+    """Zero each element with probability ``rate``."""
+    out = ndarray(x.shape, x.dtype if dtype is None else dtype, buffer=sbuf)
+    isa.dropout(out, x if out.dtype == x.dtype else _to_sbuf(x, out.dtype), rate)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# views as functions
+# ---------------------------------------------------------------------------------------------
+def expand_dims(x: Tensor, axis: int) -> Tensor:
+    return x.expand_dims(axis)
+
+
+def broadcast_to(x: Tensor, shape: Sequence[int], dtype: Any = None) -> Tensor:
+    if dtype is not None and dtypes.canonical(dtype) != x.dtype:
+        x = _to_sbuf(x, dtype)
+    return x.broadcast_to(shape)

@@ -1,0 +1,194 @@
+"""State of one simulated kernel run: target, memory accounting, trace and engine registers."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+
+from . import dtypes
+from .errors import CapacityError, CapacityWarning, NoActiveKernel
+from .targets import Target
+from .trace import Instruction, Operand, Region, Trace
+
+if TYPE_CHECKING:
+    from .tensor import Tensor
+
+ON_CHIP = ("sbuf", "psum")
+HBM_KINDS = ("hbm", "shared_hbm", "private_hbm")
+
+
+class Buffer:
+    """One allocation: its storage, where it lives, and (for PSUM) which elements were written."""
+
+    __slots__ = ("id", "kind", "dtype", "data", "name", "on_chip", "partition_bytes", "written", "origin", "__weakref__")
+
+    def __init__(self, buffer_id: int, kind: str, dtype: dtypes.DType, data: np.ndarray, name: str) -> None:
+        self.id = buffer_id
+        self.kind = kind
+        self.dtype = dtype
+        self.data = data
+        self.name = name
+        self.on_chip = on_chip = kind in ON_CHIP
+        self.partition_bytes = (data.nbytes // data.shape[0]) if on_chip and data.ndim else data.nbytes
+        # PSUM remembers what was written so nc_matmul(accumulate=None) can tell overwrite from add.
+        self.written = np.zeros(data.shape, dtype=np.bool_) if kind == "psum" else None
+        # Set by nl.matmul so that ``psum_tile += nl.matmul(...)`` can accumulate in place.
+        self.origin: tuple | None = None
+
+
+class Run:
+    """A kernel run in progress. Instructions and allocations report here."""
+
+    def __init__(self, target: Target, *, capacity: str = "error", program_id: tuple[int, ...] = (0,),
+                 grid: tuple[int, ...] = (1,), trace: Trace | None = None,
+                 shared: dict[int, Buffer] | None = None, seed: int = 0) -> None:
+        if capacity not in ("error", "warn"):
+            raise ValueError(f"capacity must be 'error' or 'warn', got {capacity!r}")
+        self.target = target
+        self.capacity = capacity
+        self.program_id = program_id
+        self.grid = grid
+        self.trace = trace if trace is not None else Trace(target.name)
+        self._live = {"sbuf": 0, "psum": 0}
+        self._next_id = 0
+        self._shared = shared if shared is not None else {}
+        self._shared_seq = 0
+        self.rng = np.random.default_rng(seed)
+        # ScalarE reduce registers and VectorE accumulators: one fp32 value per partition lane.
+        self.scalar_accumulator = np.zeros(target.partitions, dtype=np.float32)
+        self.vector_accumulator = np.zeros(target.partitions, dtype=np.float32)
+
+    # -- allocation -------------------------------------------------------------------------
+    def allocate(self, shape: tuple[int, ...], dtype: dtypes.DType, kind: str, name: str = "",
+                 fill: Any = None) -> Buffer:
+        storage = dtypes.storage(dtype)
+        if kind == "shared_hbm" and self.grid != (1,):
+            # All SPMD programs see one shared_hbm tensor per allocation site (in program order).
+            seq = self._shared_seq
+            self._shared_seq += 1
+            existing = self._shared.get(seq)
+            if existing is not None and existing.data.shape == shape and existing.dtype == dtype:
+                return existing
+        value = dtypes.uninitialized_fill(dtype) if fill is None else fill
+        data = np.full(shape, value, dtype=storage)
+        buf = Buffer(self._new_id(), kind, dtype, data, name)
+        if kind == "shared_hbm" and self.grid != (1,):
+            self._shared[seq] = buf
+        if buf.on_chip:
+            self._acquire(kind, buf.partition_bytes, name or f"{kind} tensor {shape}")
+            weakref.finalize(buf, self._release, kind, buf.partition_bytes)
+        return buf
+
+    def wrap_hbm(self, array: np.ndarray, name: str) -> Buffer:
+        """An HBM buffer backed by the caller's own memory, so in-place writes reach them."""
+        return Buffer(self._new_id(), "shared_hbm", dtypes.canonical(array.dtype), array, name)
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _acquire(self, kind: str, nbytes: int, what: str) -> None:
+        self._live[kind] += nbytes
+        live = self._live[kind]
+        if kind == "sbuf":
+            self.trace.sbuf_peak_bytes = max(self.trace.sbuf_peak_bytes, live)
+            limit = self.target.sbuf_bytes_per_partition
+        else:
+            self.trace.psum_peak_bytes = max(self.trace.psum_peak_bytes, live)
+            limit = self.target.psum_bytes_per_partition
+        if live > limit:
+            message = (
+                f"nl.ndarray: {what}: live {kind.upper()} would be {live:,} bytes per partition, "
+                f"over the {limit:,}-byte capacity of {self.target.name}"
+            )
+            if self.capacity == "error":
+                self._live[kind] -= nbytes
+                raise CapacityError(message)
+            warnings.warn(message, CapacityWarning, stacklevel=4)
+
+    def _release(self, kind: str, nbytes: int) -> None:
+        self._live[kind] -= nbytes
+
+    # -- tracing ----------------------------------------------------------------------------
+    def record(self, engine: str, op: str, *, reads: Iterable[tuple[str, "Tensor"]] = (),
+               writes: Iterable[tuple[str, "Tensor"]] = (), bytes_moved: int = 0, flops: int = 0,
+               **attrs: Any) -> Instruction:
+        reads = [(role, t) for role, t in reads if t is not None]
+        writes = [(role, t) for role, t in writes if t is not None]
+        operands = tuple(Operand(role, t.shape, dtypes.name(t.dtype), t.buffer) for role, t in writes + reads)
+        partitions = free = 0
+        for _, t in writes + reads:
+            size = t._view.size
+            if size > partitions * free:
+                partitions = t.partition_size
+                free = size // max(partitions, 1)
+        hbm_read = sum(t.nbytes for _, t in reads if t.buffer in HBM_KINDS)
+        hbm_written = sum(t.nbytes for _, t in writes if t.buffer in HBM_KINDS)
+        inst = Instruction(
+            index=len(self.trace.instructions), engine=engine, op=op, operands=operands,
+            reads=tuple(t.region() for _, t in reads), writes=tuple(t.region() for _, t in writes),
+            partitions=partitions, free_elements=free, bytes_moved=bytes_moved,
+            hbm_bytes_read=hbm_read, hbm_bytes_written=hbm_written, flops=flops,
+            program=self.program_id, attrs=attrs,
+        )
+        self.trace.instructions.append(inst)
+        return inst
+
+
+_state = threading.local()
+
+
+def current() -> Run:
+    run = getattr(_state, "run", None)
+    if run is None:
+        raise NoActiveKernel(
+            "NKI calls only work inside a running kernel: decorate the function with @nki.jit and call it"
+        )
+    return run
+
+
+def active() -> Run | None:
+    return getattr(_state, "run", None)
+
+
+class activate:
+    """Make ``run`` the current kernel run for the duration of a ``with`` block."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __enter__(self) -> Run:
+        self.previous = getattr(_state, "run", None)
+        _state.run = self.run
+        return self.run
+
+    def __exit__(self, *exc: object) -> None:
+        _state.run = self.previous
+
+
+def region_of(buf: Buffer, view: np.ndarray) -> Region:
+    """The partition/byte box ``view`` touches inside ``buf``."""
+    base = buf.data.__array_interface__["data"][0]
+    start = view.__array_interface__["data"][0] - base
+    lo = hi = start
+    for n, s in zip(view.shape, view.strides):
+        if n == 0:
+            return Region(buf.id, 0, 0, 0, 0)
+        span = (n - 1) * s
+        lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
+    hi += view.itemsize
+    if not buf.on_chip:
+        return Region(buf.id, 0, 1, lo, hi)
+    row = buf.partition_bytes
+    p0, p1 = lo // row, (hi - 1) // row + 1
+    if p1 - p0 == 1:
+        return Region(buf.id, p0, p1, lo - p0 * row, hi - p0 * row)
+    free_lo, free_hi = start % row, start % row + view.itemsize
+    for n, s in zip(view.shape[1:], view.strides[1:]):
+        span = (n - 1) * s
+        free_lo, free_hi = (free_lo + span, free_hi) if span < 0 else (free_lo, free_hi + span)
+    return Region(buf.id, p0, p1, max(free_lo, 0), min(free_hi, row))

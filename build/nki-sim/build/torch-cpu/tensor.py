@@ -1,0 +1,551 @@
+"""NKI tensors: a view into one buffer, with NKI's indexing, reshaping and access patterns.
+
+A tensor is a NumPy view (``_view``) of a :class:`~.runtime.Buffer`'s storage, so slicing,
+stepping, reshaping and permuting never copy: writes through any view land in the buffer.
+On-chip tensors (SBUF/PSUM) keep dimension 0 as the partition dimension, and every view is
+checked to stay inside its buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from . import dtypes
+from .errors import NkiValidationError, SimulatorUnsupported, rule
+from .runtime import HBM_KINDS, Buffer, region_of
+from .trace import Region
+
+
+@dataclass(frozen=True)
+class DynSlice:
+    """``nl.ds(start, size)``: ``size`` elements from ``start``, optionally every ``step``."""
+
+    start: int
+    size: int
+    step: int = 1
+
+    def as_slice(self) -> slice:
+        # Stop just past the last element, so a stepped slice ending at the edge stays in bounds.
+        return slice(self.start, self.start + (self.size - 1) * self.step + 1, self.step)
+
+
+@dataclass(frozen=True)
+class Indirect:
+    """An ``.ap(..., vector_offset=...)`` gather/scatter.
+
+    Element ``(i0, i1, ...)`` of the pattern lives at ``start + sum(i_k * steps_k)`` of the
+    allocation, except that along ``dim`` the coordinate ``i`` is replaced by ``index[i]``.
+    """
+
+    index: "Tensor"
+    dim: int
+    start: int
+    steps: tuple[int, ...]
+    nums: tuple[int, ...]
+
+    def flat_offsets(self, size: int, instruction: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Offsets into the flattened allocation and a mask of the in-bounds ones."""
+        # A [P, N] index tile is read column by column (indices.T.flatten()), as a gather-transpose
+        # with N > 1 index columns consumes it; for the usual [P, 1] tile the order is the same.
+        rows = np.asarray(self.index.read()).T.reshape(-1).astype(np.int64)
+        if rows.size < self.nums[self.dim]:
+            raise rule(instruction, "vector_offset", "fewer indices than the indirect dim's extent",
+                       indices=rows.size, extent=self.nums[self.dim])
+        rows = rows[: self.nums[self.dim]]
+        grids = list(np.meshgrid(*[np.arange(n) for n in self.nums], indexing="ij"))  # NumPy 2 returns a tuple
+        grids[self.dim] = rows[grids[self.dim]]
+        offsets = self.start + sum(g * s for g, s in zip(grids, self.steps))
+        inside = (offsets >= 0) & (offsets < size)
+        if not skip_oob and not inside.all():
+            bad = rows[(~inside).any(axis=tuple(d for d in range(len(self.nums)) if d != self.dim))]
+            raise rule(instruction, "vector_offset", "indirect index out of bounds (oob_mode=error)",
+                       indices=bad.tolist()[:8], allocation_elements=size)
+        return offsets, inside
+
+
+class Tensor:
+    """A tensor in HBM, SBUF or PSUM, as NKI kernels see it."""
+
+    # Views never change after creation, so their region and start partition are cached.
+    __slots__ = ("_buf", "_view", "_dtype", "_indirect", "_region", "_start")
+
+    def __init__(self, buf: Buffer, view: np.ndarray | None = None, dtype: dtypes.DType | None = None,
+                 indirect: Indirect | None = None) -> None:
+        self._buf = buf
+        self._view = buf.data if view is None else view
+        self._dtype = buf.dtype if dtype is None else dtype
+        self._indirect = indirect
+        self._region: Region | None = None
+        self._start: int | None = None
+
+    # -- what it is -------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._view.shape
+
+    @property
+    def dtype(self) -> dtypes.DType:
+        return self._dtype
+
+    @property
+    def buffer(self) -> str:
+        return self._buf.kind
+
+    @property
+    def name(self) -> str:
+        return self._buf.name
+
+    @property
+    def ndim(self) -> int:
+        return self._view.ndim
+
+    @property
+    def size(self) -> int:
+        return self._view.size
+
+    @property
+    def nbytes(self) -> int:
+        return self._view.size * dtypes.itemsize(self._dtype)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Element strides of this view within its allocation (0 where broadcast)."""
+        item = self._view.itemsize
+        return tuple(st // item for st in self._view.strides)
+
+    @property
+    def offset(self) -> int:
+        """Element offset of this view's first element from the start of its allocation."""
+        base = self._buf.data.__array_interface__["data"][0]
+        return (self._view.__array_interface__["data"][0] - base) // self._view.itemsize
+
+    def get_pattern(self) -> list[list[int]]:
+        """This view as an access pattern ``[[step, num], ...]`` (pass it back to ``.ap``)."""
+        return [[step, num] for step, num in zip(self.strides, self.shape)]
+
+    def is_contiguous(self) -> bool:
+        """Whether the free dims (and, in HBM, all dims) are laid out densely in row-major order."""
+        shape, strides = (self.shape[1:], self.strides[1:]) if self.on_chip else (self.shape, self.strides)
+        expected = 1
+        for n, st in zip(reversed(shape), reversed(strides)):
+            if n != 1 and st != expected:
+                return False
+            expected *= n
+        return True
+
+    def is_indirect(self) -> bool:
+        """Whether this is a ``vector_offset`` access whose rows are chosen at run time."""
+        return self._indirect is not None
+
+    @property
+    def on_chip(self) -> bool:
+        return self._buf.on_chip
+
+    @property
+    def partition_size(self) -> int:
+        """Partitions an on-chip tile spans (1 for HBM, whose layout has none)."""
+        view = self._view
+        return view.shape[0] if (self._buf.on_chip and view.ndim) else 1
+
+    @property
+    def free_size(self) -> int:
+        """Elements per partition."""
+        view = self._view
+        if self._buf.on_chip and view.ndim:
+            return view.size // max(view.shape[0], 1)
+        return view.size
+
+    @property
+    def start_partition(self) -> int:
+        if self._start is None:
+            self._start = self.region().p0 if self.on_chip else 0
+        return self._start
+
+    def region(self) -> Region:
+        """The partitions and per-partition bytes this view touches (for dependency tracking)."""
+        if self._region is None:
+            if self._indirect is not None:  # rows known only at run time: the whole allocation
+                self._region = Region(self._buf.id, 0, 1, 0, self._buf.data.nbytes)
+            else:
+                self._region = region_of(self._buf, self._view)
+        return self._region
+
+    def __repr__(self) -> str:
+        name = f" {self.name!r}" if self.name else ""
+        return f"<nki tensor{name} {self.buffer} {dtypes.name(self.dtype)}{list(self.shape)}>"
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    # -- values (for the engines) -----------------------------------------------------------
+    def read(self) -> np.ndarray:
+        """The stored values (a view; engines widen them before arithmetic)."""
+        return self._view
+
+    def write(self, values: np.ndarray, instruction: str = "write") -> None:
+        """Round ``values`` to this tensor's dtype and store them, shape-matched per partition."""
+        values = np.asarray(values)
+        if values.size != self.size:
+            raise rule(instruction, "dst", "element count differs from the result",
+                       dst_shape=self.shape, result_shape=values.shape)
+        if not self._view.flags.writeable:
+            raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
+        self._view[...] = dtypes.cast(values, self._dtype).reshape(self.shape)
+        if self._buf.written is not None:
+            self._written_view()[...] = True
+
+    def _written_view(self) -> np.ndarray:
+        return _same_view(self._buf.written, self._buf.data, self._view)
+
+    def was_written(self) -> np.ndarray:
+        """For PSUM tiles: which elements some instruction has written."""
+        if self._buf.written is None:
+            raise TypeError("only PSUM tensors track writes")
+        return self._written_view()
+
+    # -- indexing ---------------------------------------------------------------------------
+    def _direct(self, what: str) -> None:
+        """Views of an indirect (vector_offset) access pattern would lose the per-row indices."""
+        if self._indirect is not None:
+            raise rule(what, repr(self), "an indirect (vector_offset) access pattern cannot be viewed further; "
+                       "put the whole access in the .ap() pattern")
+
+    def __getitem__(self, key: Any) -> "Tensor":
+        self._direct("index")
+        # The trailing Ellipsis keeps an all-integer index a 0-d *view* (NumPy would return a
+        # detached scalar, and writes through it would be lost).
+        return Tensor(self._buf, self._view[self._normalize_key(key) + (Ellipsis,)], self._dtype)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        from . import language  # the assignment is a real instruction: copy or memset
+
+        language._assign(self[key], value)
+
+    def _normalize_key(self, key: Any) -> tuple:
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            at = next(i for i, k in enumerate(key) if k is Ellipsis)
+            fill = self.ndim - (len(key) - 1)
+            key = key[:at] + (slice(None),) * fill + key[at + 1:]
+        if len(key) > self.ndim:
+            raise IndexError(f"too many indices for a {self.ndim}-d tensor {list(self.shape)}: {key}")
+        out = []
+        for dim, k in enumerate(key):
+            n = self.shape[dim]
+            if isinstance(k, DynSlice):
+                k = k.as_slice()
+            if isinstance(k, (int, np.integer)):
+                k = int(k)
+                if not -n <= k < n:
+                    raise IndexError(f"index {k} out of bounds for dim {dim} of size {n} in {self!r}")
+                k %= n
+                # On-chip tensors keep the partition dim: an integer there selects one partition.
+                out.append(slice(k, k + 1) if (dim == 0 and self.on_chip) else k)
+            elif isinstance(k, slice):
+                out.append(_checked_slice(k, n, dim, self))
+            elif k is None:
+                raise IndexError("NKI tensors do not take None (newaxis) indices; use expand_dims")
+            else:
+                raise IndexError(f"unsupported index {k!r} for dim {dim}; use ints, slices or nl.ds")
+        if self.on_chip and len(key) == self.ndim and all(not isinstance(k, slice) for k in out[1:]):
+            # On-chip views stay 2-D: when every free dim is indexed by an int, the last stays (size 1).
+            last = out[-1]
+            out[-1] = slice(last, last + 1)
+        if self.on_chip and out and isinstance(out[0], slice) and out[0].step not in (None, 1):
+            raise rule("index", repr(self), "the partition dimension cannot be strided", step=out[0].step)
+        return tuple(out)
+
+    # -- views ------------------------------------------------------------------------------
+    def reshape(self, *shape: Any) -> "Tensor":
+        self._direct("reshape")
+        shape = _shape_arg(shape)
+        shape = _resolve_shape(shape, self.size)
+        try:
+            view = np.reshape(self._view, shape, copy=False)
+        except ValueError as exc:
+            raise NkiValidationError(
+                f"reshape: cannot view {list(self.shape)} as {list(shape)} without copying "
+                f"(the tensor is a strided slice); reshape the whole tensor or copy first"
+            ) from exc
+        out = Tensor(self._buf, view, self._dtype)
+        out._check_partition_layout("reshape")
+        return out
+
+    def view(self, dtype: Any) -> "Tensor":
+        """Reinterpret the bits as ``dtype`` (the last dimension scales by the size ratio)."""
+        self._direct("view")
+        new = dtypes.canonical(dtype)
+        try:
+            view = self._view.view(dtypes.storage(new))
+        except ValueError as exc:
+            raise NkiValidationError(f"view: cannot reinterpret {self!r} as {dtypes.name(new)}: {exc}") from exc
+        return Tensor(self._buf, view, new)
+
+    def reinterpret_cast(self, dtype: Any) -> "Tensor":
+        """The same as :meth:`view`."""
+        return self.view(dtype)
+
+    def permute(self, *args: Any, dims: Sequence[int] | None = None) -> "Tensor":
+        """Reorder dimensions: ``t.permute(0, 2, 1)``, ``t.permute((0, 2, 1))`` or ``t.permute(dims=[0, 2, 1])``."""
+        self._direct("permute")
+        dims = _shape_arg(args if dims is None else (tuple(dims),))
+        if sorted(dims) != list(range(self.ndim)):
+            raise ValueError(f"permute: {dims} is not a permutation of {self.ndim} dims")
+        if self.on_chip and dims[0] != 0:
+            raise rule("permute", repr(self), "on-chip tensors keep dim 0 as the partition dim", dims=dims)
+        return Tensor(self._buf, np.transpose(self._view, dims), self._dtype)
+
+    def broadcast_to(self, shape: Sequence[int]) -> "Tensor":
+        self._direct("broadcast_to")
+        shape = tuple(int(s) for s in shape)
+        try:
+            view = np.broadcast_to(self._view, shape)
+        except ValueError as exc:
+            raise ValueError(f"broadcast_to: cannot broadcast {list(self.shape)} to {list(shape)}") from exc
+        return Tensor(self._buf, view, self._dtype)
+
+    def broadcast(self, dim: int, size: int) -> "Tensor":
+        """Repeat a size-1 dimension ``size`` times without copying (stride 0)."""
+        if self.shape[dim] != 1:
+            raise ValueError(f"broadcast: dim {dim} of {list(self.shape)} has size {self.shape[dim]}, not 1")
+        shape = list(self.shape)
+        shape[dim] = int(size)
+        return self.broadcast_to(shape)
+
+    def expand_dims(self, axis: int) -> "Tensor":
+        self._direct("expand_dims")
+        if self.on_chip and int(axis) % (self.ndim + 1) == 0:
+            raise rule("expand_dims", repr(self), "axis 0 is the partition dim of an on-chip tensor")
+        return Tensor(self._buf, np.expand_dims(self._view, axis), self._dtype)
+
+    def expand_dim(self, dim: int) -> "Tensor":
+        return self.expand_dims(dim)
+
+    def squeeze_dim(self, dim: int) -> "Tensor":
+        self._direct("squeeze_dim")
+        if self.shape[dim] != 1:
+            raise ValueError(f"squeeze_dim: dim {dim} of {list(self.shape)} has size {self.shape[dim]}, not 1")
+        if self.on_chip and int(dim) % self.ndim == 0:
+            raise rule("squeeze_dim", repr(self), "axis 0 is the partition dim of an on-chip tensor")
+        return Tensor(self._buf, np.squeeze(self._view, dim), self._dtype)
+
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "Tensor":
+        """``start:end:step`` along one dimension."""
+        key: list[Any] = [slice(None)] * self.ndim
+        key[dim] = slice(start, end, step)
+        return self[tuple(key)]
+
+    def select(self, dim: int, index: int) -> "Tensor":
+        """Drop dimension ``dim`` by taking element ``index`` of it."""
+        if self.on_chip and int(dim) % self.ndim == 0:
+            raise rule("select", repr(self), "cannot drop the partition dim of an on-chip tensor")
+        key: list[Any] = [slice(None)] * self.ndim
+        key[dim] = _scalar_value(index)  # an int, a register, or a one-element tile read now
+        return self[tuple(key)]
+
+    def flatten_dims(self, start_dim: int, end_dim: int) -> "Tensor":
+        """Merge dimensions ``start_dim..end_dim`` (inclusive) into one."""
+        shape = self.shape[:start_dim] + (-1,) + self.shape[end_dim + 1:]
+        return self.reshape(shape)
+
+    def reshape_dim(self, dim: int, shape: Sequence[int]) -> "Tensor":
+        """Split dimension ``dim`` into ``shape`` (one entry may be -1)."""
+        return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1:])
+
+    def ap(self, pattern: Sequence[Sequence[int]], offset: int | None = None, *,
+           vector_offset: "Tensor | None" = None, scalar_offset: Any = None, indirect_dim: int = 0,
+           dtype: Any = None) -> "Tensor":
+        """An access pattern straight onto this tensor's allocation: ``[[step, num], ...]``.
+
+        Steps and ``offset`` count elements (of ``dtype`` when given, reinterpreting the bits)
+        of the whole allocation laid out row-major, partition dim included; like NKI, a pattern
+        ignores any slicing done before it. ``offset=None`` starts where this view starts. For
+        SBUF/PSUM the first pair must step one partition. ``scalar_offset`` (an int, register or
+        one-element tile) and ``vector_offset`` (an SBUF ``[P, 1]`` tile of per-partition indices)
+        shift the start by whole slices of the allocation along ``indirect_dim``.
+        """
+        if vector_offset is not None and scalar_offset is not None:
+            raise ValueError("ap: vector_offset and scalar_offset are mutually exclusive")
+        if vector_offset is not None and indirect_dim != 0:
+            raise rule("ap", "indirect_dim", "vector_offset indexes dim 0 only", indirect_dim=indirect_dim)
+        steps = [int(step) for step, _ in pattern]
+        nums = [int(num) for _, num in pattern]
+        new_dtype = self._dtype if dtype is None else dtypes.canonical(dtype)
+        storage = dtypes.storage(new_dtype)
+        base = self._buf.data
+        try:
+            flat = base.reshape(-1).view(storage)
+        except ValueError as exc:
+            raise rule("ap", repr(self), f"cannot reinterpret the allocation as {dtypes.name(new_dtype)}") from exc
+        ratio = base.itemsize / flat.itemsize
+        base_shape = base.shape[:-1] + (int(base.shape[-1] * ratio),) if base.ndim else (flat.size,)
+        if offset is None:
+            here = self._view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+            offset = here // flat.itemsize
+        start = int(offset)
+        row = int(np.prod(base_shape[indirect_dim + 1:]))
+        if scalar_offset is not None:
+            start += _scalar_value(scalar_offset) * row
+        if vector_offset is not None:
+            # Only the instruction can resolve the rows; the view just carries the shape.
+            shape_only = np.broadcast_to(flat[:1], tuple(nums))
+            indirect = Indirect(vector_offset, indirect_dim, start, (row,) + tuple(steps[1:]), tuple(nums))
+            return Tensor(self._buf, shape_only, new_dtype, indirect=indirect)
+        lo = start + sum(min(0, (n - 1) * st) for st, n in zip(steps, nums))
+        hi = start + sum(max(0, (n - 1) * st) for st, n in zip(steps, nums))
+        if lo < 0 or hi >= flat.size:
+            raise rule("ap", repr(self), "access pattern reaches outside the allocation",
+                       pattern=[list(p) for p in pattern], offset=start, first=lo, last=hi,
+                       allocation_elements=flat.size)
+        item = flat.itemsize
+        view = as_strided(flat[start:], shape=tuple(nums), strides=tuple(st * item for st in steps), writeable=True)
+        out = Tensor(self._buf, view, new_dtype)
+        out._check_partition_layout("ap")
+        return out
+
+    def _check_partition_layout(self, what: str) -> None:
+        """On-chip views step one partition along dim 0 and stay inside a partition otherwise."""
+        if not self.on_chip or self.ndim == 0 or self.size == 0:
+            return
+        row = self._buf.partition_bytes
+        if self.shape[0] > 1 and self._view.strides[0] != row:
+            raise rule(what, repr(self), "dim 0 of an on-chip view must step exactly one partition",
+                       stride_bytes=self._view.strides[0], partition_bytes=row)
+        region = self.region()
+        if region.p1 - region.p0 != self.shape[0]:
+            raise rule(what, repr(self), "free dims of an on-chip view spill into other partitions",
+                       shape=list(self.shape), partitions_touched=region.p1 - region.p0)
+
+    # -- arithmetic sugar (each is a real instruction, see nki.language) ---------------------
+    def _binary(self, other: Any, op: str, reverse: bool = False) -> "Tensor":
+        from . import language
+
+        fn = getattr(language, op)
+        return fn(other, self) if reverse else fn(self, other)
+
+    def __add__(self, o): return self._binary(o, "add")
+    def __radd__(self, o): return self._binary(o, "add", True)
+    def __sub__(self, o): return self._binary(o, "subtract")
+    def __rsub__(self, o): return self._binary(o, "subtract", True)
+    def __mul__(self, o): return self._binary(o, "multiply")
+    def __rmul__(self, o): return self._binary(o, "multiply", True)
+    def __truediv__(self, o): return self._binary(o, "divide")
+    def __rtruediv__(self, o): return self._binary(o, "divide", True)
+    def __pow__(self, o): return self._binary(o, "power")
+    def __lt__(self, o): return self._binary(o, "less")
+    def __le__(self, o): return self._binary(o, "less_equal")
+    def __gt__(self, o): return self._binary(o, "greater")
+    def __ge__(self, o): return self._binary(o, "greater_equal")
+    def __and__(self, o): return self._binary(o, "bitwise_and")
+    def __or__(self, o): return self._binary(o, "bitwise_or")
+    def __xor__(self, o): return self._binary(o, "bitwise_xor")
+
+    def __neg__(self):
+        from . import language
+
+        return language.negative(self)
+
+    def __iadd__(self, other: Any) -> "Tensor":
+        from . import language
+
+        language._accumulate_into(self, other)
+        return self
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object):  # NKI tiles compare element-wise, like NumPy
+        return self._binary(other, "equal")
+
+    def __ne__(self, other: object):
+        return self._binary(other, "not_equal")
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            f"the truth value of {self!r} is unknown while tracing a kernel; "
+            "compare with nl/nisa instructions instead of Python control flow"
+        )
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise TypeError(
+            f"{self!r} is device memory; read it back by returning it from the kernel "
+            "(or nl.device_print it) rather than converting it to NumPy inside the kernel"
+        )
+
+
+def _checked_slice(k: slice, n: int, dim: int, tensor: Tensor) -> slice:
+    step = 1 if k.step is None else int(k.step)
+    if step <= 0:
+        raise IndexError(f"dim {dim}: only positive slice steps are supported, got {step}")
+    start = 0 if k.start is None else int(k.start)
+    stop = n if k.stop is None else int(k.stop)
+    if start < 0:
+        start += n
+    if stop < 0:
+        stop += n
+    if not (0 <= start <= n and 0 <= stop <= n):
+        raise IndexError(
+            f"slice {start}:{stop} is out of bounds for dim {dim} of size {n} in {tensor!r}"
+        )
+    return slice(start, max(start, stop), step)
+
+
+def _shape_arg(args: tuple) -> tuple[int, ...]:
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])
+    return tuple(int(a) for a in args)
+
+
+def _resolve_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    if shape.count(-1) > 1:
+        raise ValueError(f"reshape: at most one -1 in {shape}")
+    if -1 in shape:
+        known = int(np.prod([s for s in shape if s != -1]))
+        if known == 0 or size % known:
+            raise ValueError(f"reshape: cannot infer -1 in {shape} for {size} elements")
+        shape = tuple(size // known if s == -1 else s for s in shape)
+    if int(np.prod(shape)) != size:
+        raise ValueError(f"reshape: {list(shape)} has {int(np.prod(shape))} elements, the tensor has {size}")
+    return shape
+
+
+def _same_view(target: np.ndarray, base: np.ndarray, view: np.ndarray) -> np.ndarray:
+    """Apply ``view``'s offset/strides (taken relative to ``base``) to a parallel array ``target``."""
+    scale_from, scale_to = base.itemsize, target.itemsize
+    offset = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    # A dtype-reinterpreting view only happens on whole rows; map bytes to base elements.
+    elem = offset // scale_from
+    strides = tuple(s * scale_to // scale_from for s in view.strides)
+    shape = view.shape
+    if view.itemsize != base.itemsize:
+        ratio = view.itemsize / base.itemsize
+        shape = shape[:-1] + (int(shape[-1] * ratio),) if shape else shape
+        strides = strides[:-1] + (scale_to,) if strides else strides
+    return as_strided(target.reshape(-1)[elem:], shape=shape, strides=strides)
+
+
+def _scalar_value(x: Any) -> int:
+    if isinstance(x, Tensor):
+        if x.size != 1:
+            raise ValueError(f"scalar_offset must hold one element, got {list(x.shape)}")
+        return int(np.asarray(x.read()).reshape(-1)[0])
+    if hasattr(x, "value"):
+        return int(x.value)
+    return int(x)
+
+
+def is_hbm(t: Tensor) -> bool:
+    return t.buffer in HBM_KINDS
+
+
+def unsupported(name: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        raise SimulatorUnsupported(f"{name} is part of the NKI API but the kernels-neuron simulator does not run it")
+
+    call.__name__ = name.rsplit(".", 1)[-1]
+    call.__doc__ = f"Not executed by the simulator: calling it raises SimulatorUnsupported."
+    return call

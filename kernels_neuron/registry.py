@@ -1,0 +1,88 @@
+"""``registry.toml``: the Hub repos kernels-neuron builds and the layers ``kernelize`` swaps in."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+REGISTRY_PATH = ROOT / "registry.toml"
+MODES = ("inference", "training", "torch.compile")
+REPO_KINDS = ("kernel", "simulator")
+
+
+@dataclass(frozen=True)
+class Repo:
+    name: str
+    version: int
+    kind: str
+    description: str
+    ops: tuple[str, ...] = ()
+    layers: str | None = None
+    nki: tuple[str, ...] = ()
+    exports: tuple[str, ...] = ()
+    benchmarks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    repo: str
+    layer: str
+    modes: tuple[str, ...]
+    classes: tuple[str, ...] = ()
+    constraints: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Registry:
+    org: str
+    license: str
+    repos: dict[str, Repo]
+    layers: tuple[Layer, ...]
+
+    def repo_id(self, repo: str) -> str:
+        return f"{self.org}/{repo}"
+
+    def layer(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"no layer {name!r} in the registry; known: {[l.name for l in self.layers]}")
+
+
+def load(path: Path | str = REGISTRY_PATH) -> Registry:
+    """Parse and check ``registry.toml``; errors name the entry and the field."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"registry file not found: {path}") from exc
+    hub = raw.get("hub", {})
+    repos = {}
+    for name, entry in raw.get("repos", {}).items():
+        kind = entry.get("kind", "kernel")
+        if kind not in REPO_KINDS:
+            raise ValueError(f"registry: repo {name!r}: kind {kind!r} is not one of {REPO_KINDS}")
+        if not isinstance(entry.get("version"), int) or entry["version"] < 1:
+            raise ValueError(f"registry: repo {name!r}: version must be a positive integer")
+        repos[name] = Repo(name=name, version=entry["version"], kind=kind, description=entry.get("description", ""),
+                           ops=tuple(entry.get("ops", ())), layers=entry.get("layers"), nki=tuple(entry.get("nki", ())),
+                           exports=tuple(entry.get("exports", ())), benchmarks=tuple(entry.get("benchmarks", ())))
+    layers = []
+    for i, entry in enumerate(raw.get("layers", ())):
+        where = f"registry: layers[{i}] ({entry.get('name', '?')})"
+        for key in ("name", "repo", "layer", "modes"):
+            if key not in entry:
+                raise ValueError(f"{where}: missing {key!r}")
+        if entry["repo"] not in repos:
+            raise ValueError(f"{where}: repo {entry['repo']!r} is not defined under [repos]")
+        bad = set(entry["modes"]) - set(MODES)
+        if bad:
+            raise ValueError(f"{where}: unknown modes {sorted(bad)}; use {MODES}")
+        layers.append(Layer(name=entry["name"], repo=entry["repo"], layer=entry["layer"], modes=tuple(entry["modes"]),
+                            classes=tuple(entry.get("classes", ())), constraints=dict(entry.get("constraints", {}))))
+    return Registry(org=hub.get("org", "kernels-neuron"), license=hub.get("license", "apache-2.0"), repos=repos,
+                    layers=tuple(layers))
