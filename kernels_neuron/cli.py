@@ -100,6 +100,63 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build(args: argparse.Namespace) -> int:
+    """Regenerate build/ from the sources, or with --check report whether it is stale."""
+    from kernels_neuron import hub
+
+    console = Console()
+    if args.check:
+        problems = hub.stale()
+        if problems:
+            console.print(f"[red]build/ is stale[/]: {len(problems)} files differ from a fresh build "
+                          "(+ missing, - extra, ~ changed); run `kernels-neuron build`")
+            for line in problems:
+                console.print(f"  {line}", markup=False)
+            return 1
+        console.print("build/ is up to date with the sources")
+        return 0
+    files = hub.write()
+    console.print(f"wrote {len(files)} files under {hub.BUILD_DIR}")
+    return 0
+
+
+def _install(args: argparse.Namespace) -> int:
+    """Install build/ into the local HF cache so get_kernel(..., version=N) works with HF_HUB_OFFLINE=1."""
+    from kernels_neuron import hub
+
+    console = Console()
+    try:
+        installed = hub.install(cache=args.cache)
+    except RuntimeError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 1
+    for repo_id, snapshot in installed.items():
+        console.print(f"{repo_id} -> {snapshot}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    """The registry: each layer's repo, kernel layer, modes, what it replaces, constraints, build status."""
+    from kernels_neuron import hub, registry as registry_module
+
+    reg = registry_module.load()
+    problems = hub.stale()
+    table = Table(title=f"registry.toml (Hub org {reg.org})")
+    for column in ("layer name", "repo", "kernel layer", "modes", "replaces", "constraints", "build"):
+        table.add_column(column, overflow="fold")
+    for layer in reg.layers:
+        prefix = f"{layer.repo}/"
+        repo_stale = [p for p in problems if p[2:].startswith(prefix)]
+        built = (hub.BUILD_DIR / layer.repo).is_dir()
+        status = "[red]missing[/]" if not built else "[yellow]stale[/]" if repo_stale else "[green]up to date[/]"
+        replaces = ", ".join(layer.classes) if layer.classes else f"classes tagged {layer.name!r}"
+        constraints = ", ".join(f"{k}={v}" for k, v in layer.constraints.items())
+        table.add_row(layer.name, f"{reg.repo_id(layer.repo)} v{reg.repos[layer.repo].version}", layer.layer,
+                      ", ".join(layer.modes), replaces, constraints, status)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kernels-neuron", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--json", help="write one JSON record per case to this path")
     bench_cmd.add_argument("--plot", help="write a roofline plot (PNG) to this path")
     bench_cmd.set_defaults(run=_bench)
+    build_cmd = commands.add_parser("build", help="regenerate build/ (the Hub repos) from the sources")
+    build_cmd.add_argument("--check", action="store_true", help="fail if build/ differs from a fresh build")
+    build_cmd.set_defaults(run=_build)
+    install_cmd = commands.add_parser("install", help="install build/ into the local HF cache (refs/vN + snapshot)")
+    install_cmd.add_argument("--cache", help="HF hub cache directory (default: huggingface_hub's HF_HUB_CACHE)")
+    install_cmd.set_defaults(run=_install)
+    list_cmd = commands.add_parser("list", help="show the registry with each entry's build status")
+    list_cmd.set_defaults(run=_list)
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.run
     return handler(args)

@@ -1,0 +1,256 @@
+"""``kernelize(model, device="neuron")``: swap the registry's NKI layers into a transformers model.
+
+It works through the kernels library itself (so it does not depend on transformers' kernels
+gate): it hooks the model's layer classes with ``kernels.replace_kernel_forward_from_hub`` (by
+class name where transformers does not decorate the class, or decorates it with a name whose
+numerics differ), attaches each layer's constraints as the per-module condition, registers the
+registry's mapping, calls ``kernels.kernelize`` and reports, per candidate module, whether it
+was swapped or kept its own forward and why.
+
+The kernels are loaded from this checkout's ``build/`` through ``LOCAL_KERNELS`` when it exists
+(offline), else from the Hub. Hooking a class and registering a mapping are process-wide, as
+everything in the kernels library is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import kernels
+from kernels import LayerRepository, Mode
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from . import registry as registry_module
+from .hub.build import BUILD_DIR
+from .registry import Layer, Registry
+
+_MODE_NAMES = {"inference": Mode.INFERENCE, "training": Mode.TRAINING, "torch.compile": Mode.TORCH_COMPILE}
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """One candidate module: where it is, which registry layer matched, and what happened."""
+
+    path: str
+    layer: str
+    kernel: str
+    status: str  # "swapped" | "fallback"
+    reason: str = ""
+
+
+@dataclass
+class KernelizeReport:
+    """What ``kernelize`` did to each candidate module. Prints as a table."""
+
+    device: str
+    mode: str
+    rows: list[ReportRow] = field(default_factory=list)
+
+    @property
+    def swapped(self) -> list[ReportRow]:
+        return [r for r in self.rows if r.status == "swapped"]
+
+    @property
+    def fallbacks(self) -> list[ReportRow]:
+        return [r for r in self.rows if r.status == "fallback"]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def table(self) -> Table:
+        table = Table(title=f"kernels-neuron kernelize report (device={self.device}, mode={self.mode}): "
+                            f"{len(self.swapped)} swapped, {len(self.fallbacks)} kept their own forward")
+        for column in ("module", "layer", "kernel", "status"):
+            table.add_column(column, overflow="fold")
+        for row in self.rows:
+            status = "[green]swapped[/]" if row.status == "swapped" else f"[yellow]fallback[/]: {row.reason}"
+            table.add_row(row.path, row.layer, row.kernel, status)
+        return table
+
+    def __str__(self) -> str:
+        console = Console(width=160, file=io.StringIO())
+        console.print(self.table())
+        return console.file.getvalue()
+
+
+def resolve_mode(model: nn.Module, mode: Any) -> Mode:
+    """``None`` follows ``model.training``; strings like "inference" or "training+torch.compile" work."""
+    if mode is None:
+        return Mode.TRAINING if model.training else Mode.INFERENCE
+    if isinstance(mode, Mode):
+        return mode
+    if isinstance(mode, str):
+        resolved = None
+        for part in mode.replace("|", "+").split("+"):
+            key = part.strip().lower()
+            if key not in _MODE_NAMES:
+                raise ValueError(f"kernelize: unknown mode {part!r}; use {sorted(_MODE_NAMES)} joined by '+'")
+            resolved = _MODE_NAMES[key] if resolved is None else resolved | _MODE_NAMES[key]
+        return resolved
+    raise TypeError(f"kernelize: mode must be None, a kernels.Mode or a string, got {type(mode).__name__}")
+
+
+def _mode_name(mode: Mode) -> str:
+    return "+".join(name for name, flag in _MODE_NAMES.items() if flag in mode)
+
+
+def _registered_modes(layer: Layer) -> list[Mode]:
+    bases = [_MODE_NAMES[m] for m in ("inference", "training") if m in layer.modes]
+    compiled = [base | Mode.TORCH_COMPILE for base in bases] if "torch.compile" in layer.modes else []
+    return bases + compiled
+
+
+# The registered modes that serve a requested mode, as the kernels library looks them up.
+_SERVED_BY = {
+    Mode.INFERENCE: (Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING, Mode.TRAINING | Mode.TORCH_COMPILE),
+    Mode.TRAINING: (Mode.TRAINING, Mode.TRAINING | Mode.TORCH_COMPILE),
+    Mode.INFERENCE | Mode.TORCH_COMPILE: (Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE),
+    Mode.TRAINING | Mode.TORCH_COMPILE: (Mode.TRAINING | Mode.TORCH_COMPILE,),
+}
+
+
+def supports(layer: Layer, mode: Mode) -> bool:
+    return any(m in _SERVED_BY.get(mode, ()) for m in _registered_modes(layer))
+
+
+def violations(layer: Layer, module: nn.Module) -> list[str]:
+    """Why ``module`` cannot take ``layer``'s kernel (empty when it can)."""
+    problems = []
+    missing = [a for a in layer.constraints.get("attributes", ()) if not hasattr(module, a)]
+    if missing:
+        problems.append(f"{type(module).__name__} has no attribute {', '.join(map(repr, missing))}")
+    bounds = layer.constraints.get("weight_size")
+    weight = getattr(module, "weight", None)
+    if bounds is not None and weight is not None:
+        size = weight.shape[0] if weight.dim() == 1 else None
+        if size is None:
+            problems.append(f"weight of shape {tuple(weight.shape)} is not 1-D")
+        elif not bounds[0] <= size <= bounds[1]:
+            problems.append(f"hidden size {size} is outside the kernel's {bounds[0]}..{bounds[1]}")
+    return problems
+
+
+def _ensure_local_kernels(reg: Registry) -> bool:
+    """Point the kernels library at this checkout's build/ (keeping entries the user set)."""
+    if not all((BUILD_DIR / name).is_dir() for name in reg.repos):
+        return False
+    entries = [e for e in os.environ.get("LOCAL_KERNELS", "").split(":") if e]
+    present = {e.split("=", 1)[0] for e in entries}
+    entries += [f"{reg.repo_id(name)}={BUILD_DIR / name}" for name in reg.repos if reg.repo_id(name) not in present]
+    os.environ["LOCAL_KERNELS"] = ":".join(entries)
+    return True
+
+
+def register_mapping(devices: tuple[str, ...] = ("neuron", "cpu"), reg: Registry | None = None) -> None:
+    """Register the registry's layers with the kernels library for ``devices``.
+
+    After this, transformers' own route (``use_kernels=True``, which kernelizes for the model's
+    device) also picks up the NKI layers.
+    """
+    reg = reg or registry_module.load()
+    local = _ensure_local_kernels(reg)
+    mapping = {}
+    for layer in reg.layers:
+        repo_version = reg.repos[layer.repo].version
+        repository = LayerRepository(reg.repo_id(layer.repo), layer_name=layer.layer,
+                                     **({"revision": f"v{repo_version}"} if local else {"version": repo_version}))
+        modes = {mode: repository for mode in _registered_modes(layer)}
+        mapping[layer.name] = {device: modes for device in devices}
+    kernels.register_kernel_mapping(mapping, inherit_mapping=True)
+
+
+def _candidates(model: nn.Module, reg: Registry) -> list[tuple[str, nn.Module, Layer]]:
+    by_class = {cls: layer for layer in reg.layers for cls in layer.classes}
+    by_tag = {layer.name: layer for layer in reg.layers if not layer.classes}
+    found = []
+    for path, module in model.named_modules():
+        cls = type(module)
+        layer = by_class.get(cls.__name__) or by_tag.get(getattr(cls, "kernel_layer_name", None))
+        if layer is not None:
+            found.append((path or "<model>", module, layer))
+    return found
+
+
+def _hook(cls: type, layer: Layer) -> None:
+    kernels.replace_kernel_forward_from_hub(cls, layer.name, condition=lambda module: not violations(layer, module))
+
+
+def _swapped_to(module: nn.Module, layer: Layer) -> bool:
+    function = getattr(module.forward, "__func__", None)
+    return (isinstance(function, types.FunctionType) and function is not type(module).forward
+            and function.__qualname__ == f"{layer.layer}.forward")
+
+
+@contextlib.contextmanager
+def _quiet_kernels_logging():
+    """The kernels library warns about every layer name it has no mapping for (SiLU, rotary ...)
+    and installs a root-logger handler; the report is our account of what happened, so keep
+    its log at errors and leave the root logger as we found it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    kernels_log = logging.getLogger("kernels")
+    previous = kernels_log.level
+    kernels_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        kernels_log.setLevel(previous)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None) -> nn.Module:
+    """Swap kernels-neuron's NKI layers into ``model`` and attach ``model.kernels_neuron_report``.
+
+    Args:
+        model: a transformers (or any) model whose layer classes the registry names.
+        device: the kernels-library device key the mapping is registered for ("neuron"); the
+            variant that loads is the system's (``torch-cpu`` without Trainium).
+        mode: None (from ``model.training``), a ``kernels.Mode``, or "inference", "training",
+            "inference+torch.compile", "training+torch.compile".
+
+    Returns:
+        The same model. ``model.kernels_neuron_report`` lists every candidate module.
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    ...                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=32)).eval()
+    >>> model = kernelize(model, device="neuron")
+    >>> len(model.kernels_neuron_report.swapped)
+    3
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"kernelize: expected a torch.nn.Module, got {type(model).__name__}")
+    reg = registry_module.load()
+    requested = resolve_mode(model, mode)
+    candidates = _candidates(model, reg)
+    for cls, layer in {type(m): layer for _, m, layer in candidates}.items():
+        _hook(cls, layer)
+    register_mapping(devices=tuple(dict.fromkeys((device, "cpu"))), reg=reg)
+    with _quiet_kernels_logging():
+        kernels.kernelize(model, mode=requested, device=device, use_fallback=True)
+    report = KernelizeReport(device=device, mode=_mode_name(requested))
+    for path, module, layer in candidates:
+        kernel = f"{reg.repo_id(layer.repo)}:{layer.layer}"
+        if _swapped_to(module, layer):
+            report.rows.append(ReportRow(path, layer.name, kernel, "swapped"))
+            continue
+        reasons = violations(layer, module)
+        if not supports(layer, requested) and not reasons:
+            reasons = [f"mode {_mode_name(requested)} is not among the layer's modes {list(layer.modes)}"]
+        report.rows.append(ReportRow(path, layer.name, kernel, "fallback",
+                                     "; ".join(reasons) or "the kernels library kept the original forward"))
+    model.kernels_neuron_report = report
+    return model
