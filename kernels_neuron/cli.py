@@ -12,6 +12,17 @@ from rich.table import Table
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """The main job: a tiny Qwen3 kernelized for neuron, run on the simulator, checked and modelled."""
+    from kernels_neuron import demo
+
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    result = demo.run(target=args.target, console=console)
+    ok = result.swapped > 0 and result.fallbacks == 0 and result.max_logit_deviation < 1e-4 and result.same_tokens
+    console.print("[green]demo passed[/]" if ok else "[red]demo failed[/]")
+    return 0 if ok else 1
+
+
+def _examples(args: argparse.Namespace) -> int:
     """Simulate the bundled example kernels, check each against NumPy and summarise the traces."""
     import numpy as np
     import ml_dtypes
@@ -160,11 +171,14 @@ def _list(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kernels-neuron", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="simulate the bundled example kernels and check them")
-    demo.add_argument("--example", choices=["tiled_matmul", "transpose_2d", "row_softmax", "layernorm",
-                                            "spmd_scaled_add"], help="run only this example")
+    demo = commands.add_parser("demo", help="kernelize a tiny Qwen3 for neuron and run it on the simulator")
     demo.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
     demo.set_defaults(run=_demo)
+    examples = commands.add_parser("examples", help="simulate the bundled example NKI kernels and check them")
+    examples.add_argument("--example", choices=["tiled_matmul", "transpose_2d", "row_softmax", "layernorm",
+                                                "spmd_scaled_add"], help="run only this example")
+    examples.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
+    examples.set_defaults(run=_examples)
     bench_cmd = commands.add_parser("bench", help="run the microbenchmark suite (modelled Trainium times)")
     bench_cmd.add_argument("--filter", help="only cases whose name contains this text")
     bench_cmd.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])

@@ -3,8 +3,8 @@
 from kernels_neuron.cli import main
 
 
-def test_demo_runs_every_example_and_passes(capsys):
-    assert main(["demo"]) == 0
+def test_examples_runs_every_example_and_passes(capsys):
+    assert main(["examples"]) == 0
     out = capsys.readouterr().out
     for name in ("tiled_matmul", "transpose_2d", "row_softmax", "layernorm", "spmd_scaled_add"):
         assert name in out
@@ -12,6 +12,6 @@ def test_demo_runs_every_example_and_passes(capsys):
     assert "nc_matmul" in out  # the trace summary of the first example
 
 
-def test_demo_single_example_on_trn1(capsys):
-    assert main(["demo", "--example", "row_softmax", "--target", "trn1"]) == 0
+def test_examples_single_example_on_trn1(capsys):
+    assert main(["examples", "--example", "row_softmax", "--target", "trn1"]) == 0
     assert "trace on trn1" in capsys.readouterr().out
