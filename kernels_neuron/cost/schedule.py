@@ -3,13 +3,19 @@
 Each engine runs its instructions in program order. An instruction starts when its engine is
 free and every earlier instruction it depends on has finished: read-after-write, and, because
 memory is reused, write-after-read and write-after-write on overlapping regions. DMA transfers
-go round-robin onto 16 queues that run concurrently; their bytes share the core's HBM bandwidth,
-which later-issued transfers may use in gaps left by earlier ones.
+go round-robin onto 16 queues that each run in order and all run concurrently; their bytes
+share the core's HBM bandwidth.
+
+Dependencies are found in one pass in program order; placement is event-driven: among the
+instructions at the head of their engine's (or queue's) order whose dependencies are placed,
+the one that can start first goes next. So bandwidth goes to the transfer that is ready first,
+not to whichever the program happened to issue first.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass, field
 
 from ..sim.trace import Instruction, Region
@@ -49,40 +55,33 @@ class Schedule:
 
 
 class _Memory:
-    """Who last wrote and read each region, pruned as newer writes cover older entries."""
+    """Who last wrote and read each region (program order), pruned as newer writes cover older entries."""
 
     def __init__(self) -> None:
-        self.writes: dict[int, list[tuple[Region, float, int, str]]] = {}
-        self.reads: dict[int, dict[Region, tuple[float, int, str]]] = {}
+        self.writes: dict[int, list[tuple[Region, int]]] = {}
+        self.reads: dict[int, dict[Region, int]] = {}
 
-    def read_ready(self, region: Region) -> tuple[float, int | None, str | None]:
-        best: tuple[float, int | None, str | None] = (0.0, None, None)
-        for other, finish, idx, engine in self.writes.get(region.buffer_id, ()):
-            if finish > best[0] and region.overlaps(other):
-                best = (finish, idx, engine)
-        return best
+    def depends(self, inst: Instruction) -> set[int]:
+        """Earlier instructions ``inst`` must wait for."""
+        deps = set()
+        for region in inst.reads:
+            deps.update(idx for other, idx in self.writes.get(region.buffer_id, ()) if region.overlaps(other))
+        for region in inst.writes:
+            deps.update(idx for other, idx in self.writes.get(region.buffer_id, ()) if region.overlaps(other))
+            deps.update(idx for other, idx in self.reads.get(region.buffer_id, {}).items() if region.overlaps(other))
+        return deps
 
-    def write_ready(self, region: Region) -> tuple[float, int | None, str | None]:
-        best = self.read_ready(region)
-        for other, (finish, idx, engine) in self.reads.get(region.buffer_id, {}).items():
-            if finish > best[0] and region.overlaps(other):
-                best = (finish, idx, engine)
-        return best
-
-    def wrote(self, region: Region, finish: float, idx: int, engine: str) -> None:
-        kept = [e for e in self.writes.get(region.buffer_id, ()) if not _inside(e[0], region)]
-        kept.append((region, finish, idx, engine))
-        self.writes[region.buffer_id] = kept
-        reads = self.reads.get(region.buffer_id)
-        if reads:
-            for other in [r for r in reads if _inside(r, region)]:
-                del reads[other]
-
-    def read(self, region: Region, finish: float, idx: int, engine: str) -> None:
-        reads = self.reads.setdefault(region.buffer_id, {})
-        previous = reads.get(region)
-        if previous is None or previous[0] < finish:
-            reads[region] = (finish, idx, engine)
+    def record(self, inst: Instruction, idx: int) -> None:
+        for region in inst.reads:
+            self.reads.setdefault(region.buffer_id, {})[region] = idx
+        for region in inst.writes:
+            kept = [e for e in self.writes.get(region.buffer_id, ()) if not _inside(e[0], region)]
+            kept.append((region, idx))
+            self.writes[region.buffer_id] = kept
+            reads = self.reads.get(region.buffer_id)
+            if reads:
+                for other in [r for r in reads if _inside(r, region)]:
+                    del reads[other]
 
 
 def _inside(inner: Region, outer: Region) -> bool:
@@ -125,49 +124,71 @@ class _Bandwidth:
 
 def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
     """Place one program's instructions in time."""
+    count = len(instructions)
     memory = _Memory()
-    bandwidth = _Bandwidth()
-    engine_free: dict[str, tuple[float, int | None]] = {}
-    queues = [(0.0, None)] * hw.dma_queues
-    next_queue = 0
-    out = Schedule()
-    busy = out.engine_busy_ns
+    deps: list[set[int]] = []
     for i, inst in enumerate(instructions):
-        ready, waited_on = 0.0, None
-        for region in inst.reads:
-            finish, idx, engine = memory.read_ready(region)
-            finish += hw.cross_engine_sync_ns if engine not in (None, inst.engine) else 0.0
-            if finish > ready:
-                ready, waited_on = finish, idx
-        for region in inst.writes:
-            finish, idx, engine = memory.write_ready(region)
-            finish += hw.cross_engine_sync_ns if engine not in (None, inst.engine) else 0.0
-            if finish > ready:
-                ready, waited_on = finish, idx
+        deps.append(memory.depends(inst))
+        memory.record(inst, i)
+    dependents: list[list[int]] = [[] for _ in range(count)]
+    for i, d in enumerate(deps):
+        for j in d:
+            dependents[j].append(i)
+    waiting = [len(d) for d in deps]
+
+    # Each engine, and each DMA queue, is an in-order lane.
+    lanes: dict[str, list[int]] = {}
+    dma_count = 0
+    for i, inst in enumerate(instructions):
+        lane = f"dma{dma_count % hw.dma_queues}" if inst.engine == "dma" else inst.engine
+        dma_count += inst.engine == "dma"
+        lanes.setdefault(lane, []).append(i)
+    lane_of = {i: lane for lane, members in lanes.items() for i in members}
+    position = {lane: 0 for lane in lanes}
+    lane_free: dict[str, tuple[float, int | None]] = {lane: (0.0, None) for lane in lanes}
+    slots: list[Slot | None] = [None] * count
+    bandwidth = _Bandwidth()
+    busy: dict[str, float] = {}
+    ready_heap: list[tuple[float, int]] = []
+
+    def earliest_start(i: int) -> tuple[float, int | None]:
+        inst = instructions[i]
+        start, waited_on = lane_free[lane_of[i]]
+        for j in deps[i]:
+            finish = slots[j].end + (hw.cross_engine_sync_ns if slots[j].engine != inst.engine else 0.0)
+            if finish > start:
+                start, waited_on = finish, j
+        return start, waited_on
+
+    def offer(lane: str) -> None:
+        members = lanes[lane]
+        if position[lane] < len(members) and waiting[members[position[lane]]] == 0:
+            i = members[position[lane]]
+            heapq.heappush(ready_heap, (earliest_start(i)[0], i))
+
+    for lane in lanes:
+        offer(lane)
+    while ready_heap:
+        _, i = heapq.heappop(ready_heap)
+        inst = instructions[i]
+        start, waited_on = earliest_start(i)
         if inst.engine == "dma":
-            queue_free, queue_last = queues[next_queue]
-            start = ready
-            if queue_free > start:
-                start, waited_on = queue_free, queue_last
             transfer = dma_transfer_ns(inst, hw)
             end, blocker = bandwidth.reserve(start + hw.dma_latency_ns, transfer, i)
             if blocker is not None:
                 waited_on = blocker
-            queues[next_queue] = (end, i)
-            next_queue = (next_queue + 1) % hw.dma_queues
             busy["dma"] = busy.get("dma", 0.0) + transfer
         else:
-            free, last = engine_free.get(inst.engine, (0.0, None))
-            start = ready
-            if free > start:
-                start, waited_on = free, last
             duration = engine_ns(inst, hw)
             end = start + duration
-            engine_free[inst.engine] = (end, i)
             busy[inst.engine] = busy.get(inst.engine, 0.0) + duration
-        out.slots.append(Slot(start, end, inst.engine, waited_on))
-        for region in inst.reads:
-            memory.read(region, end, i, inst.engine)
-        for region in inst.writes:
-            memory.wrote(region, end, i, inst.engine)
-    return out
+        slots[i] = Slot(start, end, inst.engine, waited_on)
+        lane = lane_of[i]
+        lane_free[lane] = (end, i)
+        position[lane] += 1
+        offer(lane)
+        for k in dependents[i]:
+            waiting[k] -= 1
+            if waiting[k] == 0 and lanes[lane_of[k]][position[lane_of[k]]] == k:
+                heapq.heappush(ready_heap, (earliest_start(k)[0], k))
+    return Schedule(slots=slots, engine_busy_ns=busy)

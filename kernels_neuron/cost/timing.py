@@ -30,12 +30,17 @@ def _clock_ghz(engine: str, hw: Hardware) -> float:
             "gpsimd": hw.gpsimd_ghz}[engine]
 
 
+# Per-partition scalars ([P, 1] operands, bias, scale) ride along with an instruction; only the
+# streamed tiles decide whether VectorE's bf16 fast modes apply.
+_SCALAR_ROLES = frozenset({"operand0", "operand1", "bias", "scale", "imm0", "imm1", "reduce_res", "max_value"})
+
+
 def _all_bf16_in_sbuf(inst: Instruction) -> bool:
-    return all(o.dtype == "bfloat16" and o.buffer == "sbuf" for o in inst.operands)
+    return all(o.dtype == "bfloat16" and o.buffer == "sbuf" for o in inst.operands if o.role not in _SCALAR_ROLES)
 
 
-def _any_psum(inst: Instruction) -> bool:
-    return any(o.buffer == "psum" for o in inst.operands)
+def _any_psum_input(inst: Instruction) -> bool:
+    return any(o.buffer == "psum" for o in inst.operands if o.role not in ("dst",) and o.role not in _SCALAR_ROLES)
 
 
 def matmul_slowdown(attrs: dict) -> float:
@@ -68,7 +73,7 @@ def engine_cycles(inst: Instruction, hw: Hardware) -> float:
     if hw.vector_fast_modes and _all_bf16_in_sbuf(inst):
         speedup = 2.0 if op == "tensor_tensor" else 4.0 if op in ("tensor_copy", "tensor_scalar") else 1.0
     if op == "tensor_tensor":
-        per_element = 1 if (_any_psum(inst) or _all_bf16_in_sbuf(inst)) else 2
+        per_element = 1 if (_any_psum_input(inst) or _all_bf16_in_sbuf(inst)) else 2
         return max(floor, per_element * n / speedup)
     if op in ("tensor_reduce", "tensor_partition_reduce"):
         bf16 = all(o.dtype == "bfloat16" for o in inst.operands[1:])
