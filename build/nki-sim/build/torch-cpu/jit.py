@@ -110,7 +110,7 @@ def launch(kernel: Kernel, args: tuple, kwargs: dict, *, target: str | Target | 
            capacity: str = "error", seed: int = 0) -> SimResult:
     chosen = resolve(target)
     torch_in = any(_is_torch(a) for a in itertools.chain(args, kwargs.values()))
-    trace = Trace(chosen.name)
+    trace = Trace(chosen.name, kernel=getattr(kernel.func, "__name__", ""))
     grid = kernel.grid or (1,)
     shared: dict[int, runtime.Buffer] = {}
     outputs: Any = None

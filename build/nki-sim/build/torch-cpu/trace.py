@@ -70,6 +70,7 @@ class Trace:
     """Everything a run recorded: instructions in program order and peak on-chip memory."""
 
     target: str
+    kernel: str = ""  # the launched kernel function's name
     instructions: list[Instruction] = field(default_factory=list)
     sbuf_peak_bytes: int = 0  # per partition
     psum_peak_bytes: int = 0  # per partition

@@ -159,11 +159,11 @@ def rmsnorm_bwd(dy, x, weight, rstd, convention):
         returns (dx [N, H] of x's dtype, dweight [H] fp32), both in HBM.
 
     Engine plan (two passes over a row tile's chunks)
-        Pass 1: GpSimd forms q = dy * x; TensorE accumulates dweight^T += q^T @ rstd (one PSUM
-        bank for the whole kernel: column b holds hidden[128 b : 128 b + 128]); VectorE forms
-        q * w' and ScalarE sums it into the row dot in its reduce registers.
-        Pass 2: VectorE forms rstd * dy * w' and then dx = coef * x + that, where
-        coef = -rstd^3 * dot / H.
+        Pass 1: GpSimd forms q = dy * x and q * w'; TensorE accumulates dweight^T += q^T @ rstd
+        (one PSUM bank for the whole kernel: column b holds hidden[128 b : 128 b + 128]);
+        ScalarE sums q * w' into the row dot in its reduce registers.
+        Pass 2: VectorE forms rstd * dy * w' and then dx = coef * x + that (coef = -rstd^3 *
+        dot / H), writing dx over the resident x row, which then leaves in one DMA.
     """
     check_shapes(x.shape, weight.shape, convention)
     rows_total, hidden = x.shape
@@ -189,7 +189,7 @@ def rmsnorm_bwd(dy, x, weight, rstd, convention):
                 b0, width = blocks[b]
                 nisa.nc_matmul(dst=dweight_t[:width, b:b + 1], stationary=q[:, b0 - c0:b0 - c0 + width], moving=r)
             qw = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=qw, data1=q, data2=w[:rows, c0:c0 + c], op=nl.multiply)
+            nisa.tensor_tensor(dst=qw, data1=q, data2=w[:rows, c0:c0 + c], op=nl.multiply, engine=nisa.engine.gpsimd)
             nisa.activation(dst=qw, op=nl.copy, data=qw, reduce_op=nl.add,
                             reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
                             reduce_res=dot if i == len(chunks) - 1 else None)
@@ -202,10 +202,10 @@ def rmsnorm_bwd(dy, x, weight, rstd, convention):
             scaled = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=scaled, data=dy_tile[:, c0:c0 + c], op0=nl.multiply, operand0=r,
                                       op1=nl.multiply, operand1=w[:rows, c0:c0 + c])
-            result = nl.ndarray((rows, c), x.dtype, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=result, data=x_tile[:, c0:c0 + c], op0=nl.multiply, operand0=coef,
-                                      op1=nl.add, operand1=scaled)
-            nisa.dma_copy(dst=dx[r0:r0 + rows, c0:c0 + c], src=result)
+            # dx overwrites the x row it is computed from, so the whole row leaves in one wide DMA.
+            nisa.scalar_tensor_tensor(dst=x_tile[:, c0:c0 + c], data=x_tile[:, c0:c0 + c], op0=nl.multiply,
+                                      operand0=coef, op1=nl.add, operand1=scaled)
+        nisa.dma_copy(dst=dx[r0:r0 + rows, :], src=x_tile)
         del x_tile, dy_tile  # last use: the next tile may reuse this SBUF
     evicted = nl.ndarray((P, len(blocks)), nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=evicted, src=dweight_t)
