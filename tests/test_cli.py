@@ -15,3 +15,11 @@ def test_examples_runs_every_example_and_passes(capsys):
 def test_examples_single_example_on_trn1(capsys):
     assert main(["examples", "--example", "row_softmax", "--target", "trn1"]) == 0
     assert "trace on trn1" in capsys.readouterr().out
+
+
+def test_demo_kernelizes_qwen3_and_matches(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "9 swapped, 0 kept their own forward" in out
+    assert "same tokens: yes" in out and "demo passed" in out
+    assert "modelled Trn2 estimate, not measured" in out and "rmsnorm_fwd" in out
