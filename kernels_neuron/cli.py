@@ -156,8 +156,9 @@ def _list(args: argparse.Namespace) -> int:
     for column in ("layer name", "repo", "kernel layer", "modes", "replaces", "constraints", "build"):
         table.add_column(column, overflow="fold")
     for layer in reg.layers:
-        prefix = f"{layer.repo}/"
-        repo_stale = [p for p in problems if p[2:].startswith(prefix)]
+        # A kernel repo's torch-cpu variant loads the simulator from nki-sim: its staleness counts too.
+        prefixes = tuple(f"{repo}/" for repo in {layer.repo, "nki-sim"})
+        repo_stale = [p for p in problems if p[2:].startswith(prefixes)]
         built = (hub.BUILD_DIR / layer.repo).is_dir()
         status = "[red]missing[/]" if not built else "[yellow]stale[/]" if repo_stale else "[green]up to date[/]"
         replaces = ", ".join(layer.classes) if layer.classes else f"classes tagged {layer.name!r}"
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     build_cmd.add_argument("--check", action="store_true", help="fail if build/ differs from a fresh build")
     build_cmd.set_defaults(run=_build)
     install_cmd = commands.add_parser("install", help="install build/ into the local HF cache (refs/vN + snapshot)")
-    install_cmd.add_argument("--cache", help="HF hub cache directory (default: huggingface_hub's HF_HUB_CACHE)")
+    install_cmd.add_argument("--cache", help="HF hub cache directory (default: where the kernels library looks, "
+                             "$KERNELS_CACHE else HF_HUB_CACHE)")
     install_cmd.set_defaults(run=_install)
     list_cmd = commands.add_parser("list", help="show the registry with each entry's build status")
     list_cmd.set_defaults(run=_list)

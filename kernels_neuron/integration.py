@@ -9,15 +9,21 @@ was swapped or kept its own forward and why.
 
 The kernels are loaded from this checkout's ``build/`` through ``LOCAL_KERNELS`` when it exists
 (offline), else from the Hub. Hooking a class and registering a mapping are process-wide, as
-everything in the kernels library is.
+everything in the kernels library is. ``register_mapping`` also hooks the registry's classes in
+transformers' modeling modules (those already imported, and each one as it is imported), so
+transformers' own ``use_kernels=True`` route gets the same layer per class and the same
+constraints as ``kernelize``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import io
 import logging
 import os
+import re
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,12 +97,18 @@ def resolve_mode(model: nn.Module, mode: Any) -> Mode:
     if isinstance(mode, Mode):
         return mode
     if isinstance(mode, str):
-        resolved = None
+        keys = []
         for part in mode.replace("|", "+").split("+"):
             key = part.strip().lower()
             if key not in _MODE_NAMES:
                 raise ValueError(f"kernelize: unknown mode {part!r}; use {sorted(_MODE_NAMES)} joined by '+'")
-            resolved = _MODE_NAMES[key] if resolved is None else resolved | _MODE_NAMES[key]
+            keys.append(key)
+        if ("inference" in keys) == ("training" in keys):
+            raise ValueError(f"kernelize: mode {mode!r} must name exactly one of 'inference' and 'training' "
+                             "(optionally with '+torch.compile')")
+        resolved = _MODE_NAMES[keys[0]]
+        for key in keys[1:]:
+            resolved |= _MODE_NAMES[key]
         return resolved
     raise TypeError(f"kernelize: mode must be None, a kernels.Mode or a string, got {type(mode).__name__}")
 
@@ -156,7 +168,9 @@ def register_mapping(devices: tuple[str, ...] = ("neuron", "cpu"), reg: Registry
     """Register the registry's layers with the kernels library for ``devices``.
 
     After this, transformers' own route (``use_kernels=True``, which kernelizes for the model's
-    device) also picks up the NKI layers.
+    device) also picks up the NKI layers: the registry's classes in transformers' modeling
+    modules are hooked (by class name, with the layer's constraints) now if already imported,
+    else when their module is imported.
     """
     reg = reg or registry_module.load()
     local = _ensure_local_kernels(reg)
@@ -168,18 +182,82 @@ def register_mapping(devices: tuple[str, ...] = ("neuron", "cpu"), reg: Registry
         modes = {mode: repository for mode in _registered_modes(layer)}
         mapping[layer.name] = {device: modes for device in devices}
     kernels.register_kernel_mapping(mapping, inherit_mapping=True)
+    _hook_transformers_classes(reg)
+
+
+def _layer_for(cls: type, reg: Registry) -> Layer | None:
+    """The registry layer for a module class: by class name, else by the layer name it is tagged with."""
+    by_class = {name: layer for layer in reg.layers for name in layer.classes}
+    by_tag = {layer.name: layer for layer in reg.layers}
+    return by_class.get(cls.__name__) or by_tag.get(getattr(cls, "kernel_layer_name", None))
 
 
 def _candidates(model: nn.Module, reg: Registry) -> list[tuple[str, nn.Module, Layer]]:
-    by_class = {cls: layer for layer in reg.layers for cls in layer.classes}
-    by_tag = {layer.name: layer for layer in reg.layers if not layer.classes}
     found = []
     for path, module in model.named_modules():
-        cls = type(module)
-        layer = by_class.get(cls.__name__) or by_tag.get(getattr(cls, "kernel_layer_name", None))
+        layer = _layer_for(type(module), reg)
         if layer is not None:
             found.append((path or "<model>", module, layer))
     return found
+
+
+_TRANSFORMERS_MODELING = re.compile(r"^transformers\.models\.[^.]+\.modeling_[^.]+$")
+
+
+def _hook_module_classes(module: types.ModuleType, reg: Registry) -> None:
+    """Hook the registry's classes defined in ``module`` (by name, or tagged with a registry layer name)."""
+    for cls in list(vars(module).values()):
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == module.__name__:
+            layer = _layer_for(cls, reg)
+            if layer is not None:
+                _hook(cls, layer)
+
+
+class _HookingLoader(importlib.abc.Loader):
+    """Runs a module's own loader, then hooks the registry's classes in it."""
+
+    def __init__(self, loader: Any, finder: "_TransformersHook") -> None:
+        self._loader, self._finder = loader, finder
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._loader.exec_module(module)
+        _hook_module_classes(module, self._finder.registry)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package ...
+        return getattr(self._loader, name)
+
+
+class _TransformersHook(importlib.abc.MetaPathFinder):
+    """Hooks the registry's classes in each transformers modeling module as it is imported."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def find_spec(self, fullname, path, target=None):
+        if not _TRANSFORMERS_MODELING.match(fullname):
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _HookingLoader(spec.loader, self)
+                return spec
+        return None
+
+
+def _hook_transformers_classes(reg: Registry) -> None:
+    hook = next((f for f in sys.meta_path if isinstance(f, _TransformersHook)), None)
+    if hook is None:
+        sys.meta_path.insert(0, _TransformersHook(reg))
+    else:
+        hook.registry = reg
+    for name, module in list(sys.modules.items()):
+        if module is not None and _TRANSFORMERS_MODELING.match(name):
+            _hook_module_classes(module, reg)
 
 
 def _hook(cls: type, layer: Layer) -> None:
@@ -187,9 +265,12 @@ def _hook(cls: type, layer: Layer) -> None:
 
 
 def _swapped_to(module: nn.Module, layer: Layer) -> bool:
+    """True when ``module`` runs ``layer``'s forward from our kernel package (whose module names
+    start with the builder's id ``_<repo>_<backend>_<hash>``), not its own or another kernel's."""
     function = getattr(module.forward, "__func__", None)
+    package = f"_{layer.repo.replace('-', '_')}_"
     return (isinstance(function, types.FunctionType) and function is not type(module).forward
-            and function.__qualname__ == f"{layer.layer}.forward")
+            and function.__qualname__ == f"{layer.layer}.forward" and function.__module__.startswith(package))
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ takes the kernels library's ordinary Hub path. ``<sha>`` is a content hash of th
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -17,9 +18,10 @@ from .build import BUILD_DIR, IGNORED_PARTS, stale
 
 
 def default_cache() -> Path:
+    """Where the kernels library looks: ``KERNELS_CACHE`` if set, else huggingface_hub's ``HF_HUB_CACHE``."""
     from huggingface_hub import constants
 
-    return Path(constants.HF_HUB_CACHE)
+    return Path(os.environ.get("KERNELS_CACHE") or constants.HF_HUB_CACHE)
 
 
 def _files(repo_dir: Path) -> list[Path]:

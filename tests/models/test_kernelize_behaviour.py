@@ -1,0 +1,223 @@
+"""kernelize's contract beyond numerics: modes, argument errors, constraints (fallbacks and the report),
+torch.compile, transformers' own ``use_kernels=True`` route, and logging hygiene."""
+
+import copy
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import kernels
+import pytest
+import torch
+import transformers
+from kernels import Mode
+
+import kernels_neuron
+from kernels_neuron import sim
+from tiny_models import (KERNEL_PACKAGE, assert_bf16_like_torch, assert_logits_match, assert_runs_kernel_layer,
+                         build_tiny, input_ids, logits, norm_modules)
+
+
+def _kernelize(model, **kwargs):
+    return kernels_neuron.kernelize(model, device="neuron", **kwargs)
+
+
+# --- modes --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("training, expected", [(False, "inference"), (True, "training")])
+def test_mode_none_follows_model_training(training, expected):
+    model = _kernelize(build_tiny("llama").train(training))
+    assert model.kernels_neuron_report.mode == expected
+    assert len(model.kernels_neuron_report.swapped) == 5
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("inference", "inference"),
+    ("training", "training"),
+    ("inference+torch.compile", "inference+torch.compile"),
+    ("training+torch.compile", "training+torch.compile"),
+    (" Training | torch.compile ", "training+torch.compile"),
+    (Mode.INFERENCE, "inference"),
+    (Mode.TRAINING, "training"),
+    (Mode.INFERENCE | Mode.TORCH_COMPILE, "inference+torch.compile"),
+], ids=str)
+def test_explicit_modes(mode, expected):
+    model = _kernelize(build_tiny("llama"), mode=mode)  # an eval model: the explicit mode wins
+    report = model.kernels_neuron_report
+    assert report.mode == expected
+    assert len(report.swapped) == 5 and report.fallbacks == []
+
+
+@pytest.mark.parametrize("mode, named", [("bogus", "'bogus'"), ("inference+infrence", "'infrence'"), ("", "''")])
+def test_an_unknown_mode_string_is_a_value_error_naming_it(mode, named):
+    with pytest.raises(ValueError, match=f"unknown mode {named}"):
+        _kernelize(build_tiny("llama"), mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["torch.compile", "inference+training", "training+inference+torch.compile"])
+def test_a_mode_string_must_name_one_of_inference_and_training(mode):
+    expected = f"mode {mode!r} must name exactly one of 'inference' and 'training'"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        _kernelize(build_tiny("llama"), mode=mode)
+
+
+def test_a_mode_of_the_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match="mode must be"):
+        _kernelize(build_tiny("llama"), mode=1)
+
+
+@pytest.mark.parametrize("not_a_model", ["llama", None, torch.zeros(3)], ids=["str", "None", "tensor"])
+def test_a_non_module_is_a_type_error(not_a_model):
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        kernels_neuron.kernelize(not_a_model, device="neuron")
+
+
+# --- constraints and the report -----------------------------------------------------------------------
+
+def test_a_hidden_size_below_the_kernels_range_keeps_its_own_forward():
+    model = build_tiny("llama", hidden_size=32, head_dim=16, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=64)
+    reference = copy.deepcopy(model)
+    _kernelize(model)
+    report = model.kernels_neuron_report
+    assert report.swapped == []
+    assert [row.path for row in report.fallbacks] == list(norm_modules(model)) and len(report) == 5
+    for row in report:
+        assert row.status == "fallback" and row.layer == "RMSNorm"
+        assert "hidden size 32" in row.reason and "64..16384" in row.reason, row.reason
+    for module in norm_modules(model).values():
+        assert module.forward.__func__ is type(module).forward  # the module's own forward
+    ids = input_ids()
+    assert torch.equal(logits(model, ids), logits(reference, ids))
+
+
+def test_constraints_are_checked_per_module():
+    """Qwen3 with head_dim 32: q_norm/k_norm (32) keep their forward, the hidden-size norms (256) swap."""
+    model = build_tiny("qwen3", head_dim=32)
+    reference = copy.deepcopy(model)
+    _kernelize(model)
+    report = model.kernels_neuron_report
+    fallback_paths = {row.path for row in report.fallbacks}
+    assert fallback_paths == {p for p in norm_modules(model) if p.endswith(("q_norm", "k_norm"))}
+    assert len(fallback_paths) == 4 and len(report.swapped) == 5
+    assert all("hidden size 32" in row.reason for row in report.fallbacks)
+    for row in report.swapped:
+        assert_runs_kernel_layer(model.get_submodule(row.path), "RMSNorm")
+    assert_logits_match(model, reference, input_ids())
+
+
+def test_the_report_prints_as_a_table():
+    model = _kernelize(build_tiny("qwen3", head_dim=32))
+    text = str(model.kernels_neuron_report)
+    assert "kernelize report (device=neuron, mode=inference): 5 swapped, 4 kept their own forward" in text
+    for row in model.kernels_neuron_report:
+        assert row.path in text
+    assert text.count("swapped") == 1 + 5 and text.count("fallback") == 4  # title + one per row
+    assert "┃ module" in text  # a rich table with its header
+
+
+# --- torch.compile ------------------------------------------------------------------------------------
+
+def test_compiled_kernelized_model_has_no_graph_breaks_and_matches_eager():
+    model = build_tiny("llama")
+    reference = copy.deepcopy(model)
+    _kernelize(model, mode="inference+torch.compile")
+    assert model.kernels_neuron_report.mode == "inference+torch.compile"
+    assert len(model.kernels_neuron_report.swapped) == 5
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    ids = input_ids()
+    with sim.capture() as traces:
+        out = logits(compiled, ids)
+    assert len(traces) == 5  # the NKI kernel ran inside the compiled graph, once per norm
+    torch.testing.assert_close(out, logits(model, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, logits(reference, ids), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
+# --- transformers' own route --------------------------------------------------------------------------
+
+def test_use_kernels_true_picks_up_the_registered_mapping(tmp_path):
+    original = build_tiny("llama")
+    original.save_pretrained(tmp_path)
+    kernels_neuron.register_mapping()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    norms = norm_modules(model)
+    assert len(norms) == 5
+    for module in norms.values():
+        assert module.forward.__func__.__qualname__ == "RMSNorm.forward"
+        assert module.forward.__func__.__module__.startswith(KERNEL_PACKAGE)  # from our kernel package
+    assert_logits_match(model, plain, input_ids())
+
+
+_USE_KERNELS_IN_A_FRESH_PROCESS = textwrap.dedent("""
+    import json, sys
+    import torch, transformers
+    import kernels_neuron
+
+    # The modeling modules must not be imported yet: register_mapping hooks them as they load.
+    before = [m for m in ("olmo2", "llama", "gemma") if f"transformers.models.{m}.modeling_{m}" in sys.modules]
+    kernels_neuron.register_mapping()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    result = {"imported_before": before}
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    for name, path in json.loads(sys.argv[1]).items():
+        exact, plain = load(path, dtype=torch.float32), load(path, dtype=torch.bfloat16)
+        model = load(path, dtype=torch.bfloat16, use_kernels=True)
+        forwards = sorted({(m.forward.__func__.__qualname__, m.forward.__func__.__module__.split(".")[0])
+                           for m in model.modules() if "RMSNorm" in type(m).__name__})
+        with torch.no_grad():
+            ref, eager, kernel = (m(ids).logits.float() for m in (exact, plain, model))
+        result[name] = {"forwards": forwards, "errors": {"torch": (eager - ref).abs().max().item(),
+                                                         "kernel": (kernel - ref).abs().max().item(),
+                                                         "kernel_vs_torch": (kernel - eager).abs().max().item()}}
+    print(json.dumps(result))
+""")
+
+
+def test_use_kernels_true_maps_each_class_like_kernelize(tmp_path):
+    """In a fresh process (hooks and mappings are process-wide): through ``use_kernels=True``, OLMo2
+    (tagged "RMSNorm" by transformers, but fp32-multiply numerics) gets RMSNormFP32Multiply, Gemma
+    (not tagged) gets GemmaRMSNorm, and a hidden size outside the kernel's range keeps its forward
+    (instead of failing in the kernel); bf16 logits round like the plain model's."""
+    paths = {}
+    for name, arch, overrides in [("olmo2", "olmo2", {}), ("gemma", "gemma", {}),
+                                  ("llama32", "llama", dict(hidden_size=32, head_dim=16, num_attention_heads=2,
+                                                            num_key_value_heads=1, intermediate_size=64))]:
+        paths[name] = str(tmp_path / name)
+        build_tiny(arch, **overrides).to(torch.bfloat16).save_pretrained(paths[name])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LOCAL_KERNELS", "KERNELS_CACHE"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
+    done = subprocess.run([sys.executable, "-c", _USE_KERNELS_IN_A_FRESH_PROCESS, json.dumps(paths)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["imported_before"] == []
+    for name, layer in [("olmo2", "RMSNormFP32Multiply"), ("gemma", "GemmaRMSNorm")]:
+        [(forward, package)] = result[name]["forwards"]
+        assert forward == f"{layer}.forward" and package.startswith(KERNEL_PACKAGE + "cpu_"), result[name]
+        assert_bf16_like_torch(result[name]["errors"])
+    assert result["llama32"]["forwards"] == [["LlamaRMSNorm.forward", "transformers"]]
+    assert result["llama32"]["errors"]["kernel_vs_torch"] == 0.0
+
+
+# --- side effects -------------------------------------------------------------------------------------
+
+def test_kernelize_leaves_no_handler_on_the_root_logger():
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    root.handlers[:] = []  # pytest's own capture handlers would hide a basicConfig() call
+    try:
+        _kernelize(build_tiny("llama"))
+        assert root.handlers == [] and root.level == saved_level
+        # The control: the kernels library itself, called directly, does install one.
+        kernels.kernelize(build_tiny("llama"), mode=Mode.INFERENCE, device="neuron", use_fallback=True)
+        assert root.handlers != []
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
