@@ -1,5 +1,8 @@
 """Hub layers that replace transformers' RMSNorm forwards. Stateless: they borrow the replaced
-module's ``weight`` and epsilon, and keep the signature of the forward they replace."""
+module's ``weight`` and epsilon, and keep the signature of the forward they replace.
+
+A layer accepts whatever the module it replaces accepted, so it makes its input contiguous
+(Gemma3 normalises transposed q/k views); the op itself rejects non-contiguous input."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ class RMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, "llama")
+        return rms_norm(hidden_states.contiguous(), self.weight, self.variance_epsilon, "llama")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -26,7 +29,7 @@ class GemmaRMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, "gemma")
+        return rms_norm(x.contiguous(), self.weight, self.eps, "gemma")
 
 
 class RMSNormFP32Multiply(nn.Module):
@@ -36,7 +39,7 @@ class RMSNormFP32Multiply(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, "fp32_multiply")
+        return rms_norm(hidden_states.contiguous(), self.weight, self.variance_epsilon, "fp32_multiply")
 
 
 __all__ = ["RMSNorm", "GemmaRMSNorm", "RMSNormFP32Multiply"]

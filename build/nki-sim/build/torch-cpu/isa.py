@@ -879,7 +879,8 @@ def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, 
     if isinstance(scale, Tensor):
         if dtypes.name(scale.dtype) != "float32":
             raise rule(instr, "scale", "a scale vector must be float32", dtype=dtypes.name(scale.dtype))
-    x = x * np.float32(1.0) * _scalar_or_vector(scale, instr, "scale", parts, "scalar")
+    with np.errstate(over="ignore", invalid="ignore"):  # masked logits (-3.4e38) scale to -inf, as in fp32 hardware
+        x = x * np.float32(1.0) * _scalar_or_vector(scale, instr, "scale", parts, "scalar")
     if bias is not None:
         if not isinstance(bias, Tensor) and not run.target.bias_scalar_allowed:
             raise rule(instr, "bias", "NeuronCore-v2 takes bias only as a (P, 1) vector", target=run.target.name)
