@@ -65,10 +65,15 @@ class CostReport:
         return {e: 100.0 * busy / self.time_us if self.time_us else 0.0 for e, busy in self.engine_busy_us.items()}
 
     def critical_path_summary(self) -> str:
-        """Share of the critical path's time spent on each engine, e.g. ``dma 62%, tensor 38%``."""
+        """Share of the critical path's time owed to each engine, e.g. ``dma 62%, tensor 38%``.
+
+        Each step is charged the time from the previous step's end to its own end (a step's span
+        may overlap the one it waited for)."""
         total: dict[str, float] = {}
+        previous_end = 0.0
         for step in self.critical_path:
-            total[step.engine] = total.get(step.engine, 0.0) + (step.end_us - step.start_us)
+            total[step.engine] = total.get(step.engine, 0.0) + max(0.0, step.end_us - previous_end)
+            previous_end = max(previous_end, step.end_us)
         whole = sum(total.values()) or 1.0
         return ", ".join(f"{e} {100 * t / whole:.0f}%" for e, t in sorted(total.items(), key=lambda kv: -kv[1]))
 
