@@ -109,15 +109,20 @@ class _Visibility(nl.NKIObject):
 
     def masks(self, k0, kc):
         """Whether some row of the tile may not see some key of [k0, k0 + kc)."""
-        cut_above = self.causal and k0 + kc - 1 > self.offset + self.q0
+        cut_above = (self.causal and k0 + kc - 1 > self.offset + self.q0) or k0 + kc > self.end
         top_lower = self.offset + self.q0 + self.rows - self.window if self.window else self.seg_lo
-        cut_below = self.lower is not None and k0 < top_lower
+        cut_below = k0 < top_lower if (self.window or k0 < self.seg_lo) else False
         return cut_above or cut_below
 
+    def sees(self, k0, kc):
+        """Whether some row of the tile sees some key of [k0, k0 + kc)."""
+        return k0 < self.end and k0 + kc > self.lowest
+
     def bounds(self):
-        lower = self.lower if self.lower is not None else _column(-1.0, self.rows)
-        upper = self.upper if self.upper is not None else _column(float(self.end), self.rows)
-        return lower, upper
+        if self.lower is None:
+            self.lower = _column(float(self.seg_lo), self.rows)
+        upper = self.upper if self.upper is not None else _column(float(self.end - 1), self.rows)
+        return self.lower, upper
 
 
 @nki.jit
@@ -315,3 +320,181 @@ class _QueryTile(nl.NKIObject):
         nisa.activation(dst=lse, op=nl.log, data=safe_sum)
         nisa.tensor_tensor(dst=lse, data1=lse, data2=self.neg_running_max, op=nl.subtract)
         nisa.dma_copy(dst=lse_out[self.b, self.h, q0:q0 + rows].reshape((rows, 1)), src=lse)
+
+
+@nki.jit
+def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap, segments):
+    """Flash attention backward: dq, dk, dv, recomputing the probabilities from the saved lse.
+
+    Args:
+        q, k, v, bias, scale, causal, window, softcap, segments: as for the forward.
+        out: [B, H, Sq, D] forward output; dout: its gradient; lse: [B, H, Sq] from the forward.
+
+    IO shapes:
+        returns (dq [B, H, Sq, D] of q's dtype, dk and dv [B, Hkv, Sk, D] of k's dtype; for GQA the
+        group's query heads are summed into their KV head).
+
+    Tiling plan
+        Per (batch, query head) the query side stays in SBUF: Q and dO in 128-row tiles and
+        transposed (D on partitions), the lse, delta = rowsum(dO * O) and an fp32 dQ accumulator.
+        Key tiles of KEY_TILE keys go outside, query tiles inside, so that dK and dV accumulate in
+        PSUM over all query tiles and are added once per key tile into per-KV-head fp32 SBUF
+        accumulators (which also sum a GQA group). Per (query tile, key tile):
+        S = Q K^T and dP = dO V^T on TensorE; P = exp(logits - lse) on ScalarE (masked first on
+        VectorE only where the tile crosses a mask edge); dS = P * (dP - delta) in one VectorE
+        instruction; dV += P^T dO and dK += dS^T Q straight from the query-major P and dS; dS^T
+        on TensorE for dQ += dS K.
+    """
+    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape)
+    batch, heads, sq, d = q.shape
+    kv_heads, sk = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    dq = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray((batch, kv_heads, sk, d), k.dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray((batch, kv_heads, sk, d), v.dtype, buffer=nl.shared_hbm)
+    spans = list(segments) if segments else [(0, sq)]
+    offset = 0 if segments else sk - sq
+    exp_scale = softcap if softcap else scale
+    key_blocks = list(_tiles(sk, P))
+    for b in range(batch):
+        for g in range(kv_heads):
+            dk_acc = [_zeros((kr, d)) for _, kr in key_blocks]
+            dv_acc = [_zeros((kr, d)) for _, kr in key_blocks]
+            for h in range(g * group, (g + 1) * group):
+                rows_of = [_QuerySide(q, out, dout, lse, b, h, _Visibility(lo + q0, rows, causal, window, offset, lo,
+                                                                            hi if segments else sk))
+                           for lo, hi in spans for q0, rows in _tiles(hi - lo, P)]
+                for k0, kc in _tiles(sk, KEY_TILE):
+                    keys = _KeySide(k, v, b, g, k0, kc)
+                    dk_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in _tiles(kc, P)]
+                    dv_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in _tiles(kc, P)]
+                    for side in rows_of:
+                        if side.seen.sees(k0, kc):
+                            side.key_tile(keys, bias, scale, softcap, exp_scale, dk_psum, dv_psum)
+                    for j, (c0, kr) in enumerate(_tiles(kc, P)):
+                        block = (k0 + c0) // P
+                        if any(side.seen.sees(k0, kc) for side in rows_of):
+                            nisa.tensor_tensor(dst=dk_acc[block], data1=dk_acc[block], data2=dk_psum[j], op=nl.add)
+                            nisa.tensor_tensor(dst=dv_acc[block], data1=dv_acc[block], data2=dv_psum[j], op=nl.add)
+                    del keys, dk_psum, dv_psum
+                for side in rows_of:
+                    side.store_dq(dq, scale if not softcap else 1.0)
+                del rows_of
+            for block, (k0, kr) in enumerate(key_blocks):
+                dk_tile = nl.ndarray((kr, d), k.dtype, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=dk_tile, data=dk_acc[block], op0=nl.multiply,
+                                   operand0=scale if not softcap else 1.0)
+                nisa.dma_copy(dst=dk[b, g, k0:k0 + kr, :], src=dk_tile)
+                dv_tile = nl.ndarray((kr, d), v.dtype, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=dv_tile, src=dv_acc[block])
+                nisa.dma_copy(dst=dv[b, g, k0:k0 + kr, :], src=dv_tile)
+            del dk_acc, dv_acc
+    return dq, dk, dv
+
+
+def _zeros(shape):
+    tile = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=tile, value=0.0)
+    return tile
+
+
+class _KeySide(nl.NKIObject):
+    """One key tile: K^T and V^T (D on partitions) for S and dP, K in 128-key blocks for dQ."""
+
+    def __init__(self, k, v, b, g, k0, kc):
+        self.k0, self.kc = k0, kc
+        self.k_t = _transposed_blocks(k[b, g, k0:k0 + kc, :], kc, k.shape[3], k.dtype)
+        self.v_t = _transposed_blocks(v[b, g, k0:k0 + kc, :], kc, v.shape[3], v.dtype)
+        self.k_rows = []
+        for c0, cr in _tiles(kc, P):
+            tile = nl.ndarray((cr, k.shape[3]), k.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=k[b, g, k0 + c0:k0 + c0 + cr, :])
+            self.k_rows.append(tile)
+
+
+class _QuerySide(nl.NKIObject):
+    """One 128-query tile of one head, resident for the whole backward of that head."""
+
+    def __init__(self, q, out, dout, lse, b, h, seen):
+        self.b, self.h, self.seen = b, h, seen
+        rows, d = seen.rows, q.shape[3]
+        q0 = seen.q0
+        self.rows, self.d, self.dtype = rows, d, q.dtype
+        self.q_rows = nl.ndarray((rows, d), q.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.q_rows, src=q[b, h, q0:q0 + rows, :])
+        self.q_t = _transposed_blocks(q[b, h, q0:q0 + rows, :], rows, d, q.dtype)
+        self.do_rows = nl.ndarray((rows, d), dout.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.do_rows, src=dout[b, h, q0:q0 + rows, :])
+        self.do_t = _transposed_blocks(dout[b, h, q0:q0 + rows, :], rows, d, dout.dtype)
+        self.neg_lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.neg_lse, src=lse[b, h, q0:q0 + rows].reshape((rows, 1)))
+        nisa.tensor_scalar(dst=self.neg_lse, data=self.neg_lse, op0=nl.multiply, operand0=-1.0)
+        o_rows = nl.ndarray((rows, d), out.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=o_rows, src=out[b, h, q0:q0 + rows, :])
+        products = nl.ndarray((rows, d), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=products, data1=o_rows, data2=self.do_rows, op=nl.multiply)
+        self.delta = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=self.delta, op=nl.add, data=products, axis=1)
+        self.dq_acc = _zeros((rows, d))
+
+    def key_tile(self, keys, bias, scale, softcap, exp_scale, dk_psum, dv_psum):
+        rows, k0, kc = self.rows, keys.k0, keys.kc
+        scores = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
+        for q_block, k_block in zip(self.q_t, keys.k_t):
+            nisa.nc_matmul(dst=scores, stationary=q_block, moving=k_block)
+        t = scores
+        if softcap:
+            capped = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=capped, op=nl.tanh, data=scores, scale=scale / softcap)
+            t = capped
+        logits = t
+        if bias is not None:
+            bias_tile = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            q0 = self.seen.q0
+            nisa.dma_copy(dst=bias_tile, src=bias[min(self.b, bias.shape[0] - 1), min(self.h, bias.shape[1] - 1),
+                                                  q0:q0 + rows, k0:k0 + kc])
+            biased = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=biased, data=bias_tile, op0=nl.multiply, operand0=1.0 / exp_scale,
+                                      op1=nl.add, operand1=t)
+            logits = biased
+        if self.seen.masks(k0, kc):
+            lower, upper = self.seen.bounds()
+            masked = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.range_select(dst=masked, on_true_tile=logits, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
+                              bound0=lower, bound1=upper, range_start=k0)
+            logits = masked
+        probs = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=probs, op=nl.exp, data=logits, bias=self.neg_lse, scale=exp_scale)
+        dprobs = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
+        for do_block, v_block in zip(self.do_t, keys.v_t):
+            nisa.nc_matmul(dst=dprobs, stationary=do_block, moving=v_block)
+        # dS = P * (dP - delta), in units of the logit before the exp's scale
+        dscores = nl.ndarray((rows, kc), self.dtype if not softcap else nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=dscores, data=dprobs, op0=nl.subtract, operand0=self.delta, op1=nl.multiply,
+                                  operand1=probs)
+        if softcap:
+            # d(cap * tanh(u)) / du = cap * (1 - tanh^2); u = scale * s / cap, so ds = dL * scale * (1 - t^2).
+            one_minus = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=one_minus, data1=t, data2=t, op=nl.multiply)
+            nisa.tensor_scalar(dst=one_minus, data=one_minus, op0=nl.multiply, operand0=-scale, op1=nl.add,
+                               operand1=scale)
+            scaled = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=scaled, data1=dscores, data2=one_minus, op=nl.multiply)
+            dscores = scaled
+        for j, (c0, cr) in enumerate(_tiles(kc, P)):
+            nisa.nc_matmul(dst=dv_psum[j], stationary=probs[:, c0:c0 + cr], moving=self.do_rows)
+            nisa.nc_matmul(dst=dk_psum[j], stationary=dscores[:, c0:c0 + cr], moving=self.q_rows)
+        dq_psum = nl.ndarray((rows, self.d), nl.float32, buffer=nl.psum)
+        for j, (c0, cr) in enumerate(_tiles(kc, P)):
+            ds_t_psum = nl.ndarray((cr, rows), dscores.dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=ds_t_psum, data=dscores[:, c0:c0 + cr])
+            ds_t = nl.ndarray((cr, rows), dscores.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=ds_t, op=nl.copy, data=ds_t_psum)
+            nisa.nc_matmul(dst=dq_psum, stationary=ds_t, moving=keys.k_rows[j])
+        nisa.tensor_tensor(dst=self.dq_acc, data1=self.dq_acc, data2=dq_psum, op=nl.add)
+
+    def store_dq(self, dq, factor):
+        result = nl.ndarray((self.rows, self.d), self.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=result, data=self.dq_acc, op0=nl.multiply, operand0=factor)
+        q0 = self.seen.q0
+        nisa.dma_copy(dst=dq[self.b, self.h, q0:q0 + self.rows, :], src=result)
