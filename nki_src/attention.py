@@ -31,6 +31,7 @@ P = 128
 KEY_TILE = 512  # one fp32 PSUM bank of scores per query tile
 MAX_HEAD_DIM = 256
 INTERLEAVE = 4  # query tiles advanced in lockstep; 4 keeps every engine fed and fits PSUM's 8 banks
+BWD_INTERLEAVE = 2  # the backward holds S and dP per query tile, plus dK/dV for the key tile, in PSUM
 FP32_MIN = -3.4028234663852886e38
 # The running max never drops below this, so a row that has seen only masked keys keeps
 # exp(masked - max) = 0 instead of exp(0) = 1 (masked scores are filled with FP32_MIN).
@@ -65,9 +66,12 @@ def check_shapes(q_shape, k_shape, v_shape, bias_shape=None):
                              f"[{b}, {h}, {sq}, {sk}]")
 
 
-def _transposed_blocks(src, rows, cols, dtype):
-    """src[rows, cols] (HBM) -> SBUF tiles [<=128 cols, rows], one per 128-column block, via TensorE."""
+def _transposed_blocks(src, rows, cols, dtype, keep_rows=False):
+    """src[rows, cols] (HBM) -> SBUF tiles [<=128 cols, rows], one per 128-column block, via TensorE.
+
+    With ``keep_rows`` it also returns the row-major 128-row tiles it loaded on the way."""
     blocks = [nl.ndarray((c, rows), dtype, buffer=nl.sbuf) for _, c in _tiles(cols, P)]
+    row_tiles = []
     for r0, r in _tiles(rows, P):
         tile = nl.ndarray((r, cols), dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=src[r0:r0 + r, :])
@@ -75,7 +79,9 @@ def _transposed_blocks(src, rows, cols, dtype):
             flipped = nl.ndarray((c, r), dtype, buffer=nl.psum)
             nisa.nc_transpose(dst=flipped, data=tile[:, c0:c0 + c])
             nisa.tensor_copy(dst=block[:, r0:r0 + r], src=flipped)
-    return blocks
+        if keep_rows:
+            row_tiles.append(tile)
+    return (blocks, row_tiles) if keep_rows else blocks
 
 
 def _column(value, rows):
@@ -368,9 +374,16 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
                     keys = _KeySide(k, v, b, g, k0, kc)
                     dk_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in _tiles(kc, P)]
                     dv_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in _tiles(kc, P)]
-                    for side in rows_of:
-                        if side.seen.sees(k0, kc):
-                            side.key_tile(keys, bias, scale, softcap, exp_scale, dk_psum, dv_psum)
+                    active = [side for side in rows_of if side.seen.sees(k0, kc)]
+                    for i in range(0, len(active), BWD_INTERLEAVE):
+                        group_sides = active[i:i + BWD_INTERLEAVE]
+                        for phase in (lambda t: t.products(keys),
+                                      lambda t: t.probabilities(keys, bias, scale, softcap, exp_scale),
+                                      lambda t: t.score_gradients(scale, softcap),
+                                      lambda t: t.key_gradients(dk_psum, dv_psum), lambda t: t.query_gradient(keys),
+                                      lambda t: t.add_query_gradient()):
+                            for side in group_sides:
+                                phase(side)
                     for j, (c0, kr) in enumerate(_tiles(kc, P)):
                         block = (k0 + c0) // P
                         if any(side.seen.sees(k0, kc) for side in rows_of):
@@ -403,13 +416,8 @@ class _KeySide(nl.NKIObject):
 
     def __init__(self, k, v, b, g, k0, kc):
         self.k0, self.kc = k0, kc
-        self.k_t = _transposed_blocks(k[b, g, k0:k0 + kc, :], kc, k.shape[3], k.dtype)
+        self.k_t, self.k_rows = _transposed_blocks(k[b, g, k0:k0 + kc, :], kc, k.shape[3], k.dtype, keep_rows=True)
         self.v_t = _transposed_blocks(v[b, g, k0:k0 + kc, :], kc, v.shape[3], v.dtype)
-        self.k_rows = []
-        for c0, cr in _tiles(kc, P):
-            tile = nl.ndarray((cr, k.shape[3]), k.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=tile, src=k[b, g, k0 + c0:k0 + c0 + cr, :])
-            self.k_rows.append(tile)
 
 
 class _QuerySide(nl.NKIObject):
@@ -420,12 +428,9 @@ class _QuerySide(nl.NKIObject):
         rows, d = seen.rows, q.shape[3]
         q0 = seen.q0
         self.rows, self.d, self.dtype = rows, d, q.dtype
-        self.q_rows = nl.ndarray((rows, d), q.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=self.q_rows, src=q[b, h, q0:q0 + rows, :])
-        self.q_t = _transposed_blocks(q[b, h, q0:q0 + rows, :], rows, d, q.dtype)
-        self.do_rows = nl.ndarray((rows, d), dout.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=self.do_rows, src=dout[b, h, q0:q0 + rows, :])
-        self.do_t = _transposed_blocks(dout[b, h, q0:q0 + rows, :], rows, d, dout.dtype)
+        self.q_t, (self.q_rows,) = _transposed_blocks(q[b, h, q0:q0 + rows, :], rows, d, q.dtype, keep_rows=True)
+        self.do_t, (self.do_rows,) = _transposed_blocks(dout[b, h, q0:q0 + rows, :], rows, d, dout.dtype,
+                                                        keep_rows=True)
         self.neg_lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=self.neg_lse, src=lse[b, h, q0:q0 + rows].reshape((rows, 1)))
         nisa.tensor_scalar(dst=self.neg_lse, data=self.neg_lse, op0=nl.multiply, operand0=-1.0)
@@ -436,17 +441,27 @@ class _QuerySide(nl.NKIObject):
         self.delta = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=self.delta, op=nl.add, data=products, axis=1)
         self.dq_acc = _zeros((rows, d))
+        self.scores = self.dprobs = self.probs = self.tanh = self.dscores = self.ds_t_psum = self.dq_psum = None
 
-    def key_tile(self, keys, bias, scale, softcap, exp_scale, dk_psum, dv_psum):
-        rows, k0, kc = self.rows, keys.k0, keys.kc
-        scores = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
+    def products(self, keys):
+        """S = Q K^T and dP = dO V^T for this key tile, on TensorE."""
+        rows, kc = self.rows, keys.kc
+        self.scores = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
         for q_block, k_block in zip(self.q_t, keys.k_t):
-            nisa.nc_matmul(dst=scores, stationary=q_block, moving=k_block)
-        t = scores
+            nisa.nc_matmul(dst=self.scores, stationary=q_block, moving=k_block)
+        self.dprobs = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
+        for do_block, v_block in zip(self.do_t, keys.v_t):
+            nisa.nc_matmul(dst=self.dprobs, stationary=do_block, moving=v_block)
+
+    def probabilities(self, keys, bias, scale, softcap, exp_scale):
+        """P = exp(logits - lse), masked where the tile crosses a mask edge."""
+        rows, k0, kc = self.rows, keys.k0, keys.kc
+        t = self.scores
         if softcap:
             capped = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=capped, op=nl.tanh, data=scores, scale=scale / softcap)
+            nisa.activation(dst=capped, op=nl.tanh, data=t, scale=scale / softcap)
             t = capped
+        self.tanh = t
         logits = t
         if bias is not None:
             bias_tile = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
@@ -463,35 +478,51 @@ class _QuerySide(nl.NKIObject):
             nisa.range_select(dst=masked, on_true_tile=logits, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
                               bound0=lower, bound1=upper, range_start=k0)
             logits = masked
-        probs = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
-        nisa.activation(dst=probs, op=nl.exp, data=logits, bias=self.neg_lse, scale=exp_scale)
-        dprobs = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
-        for do_block, v_block in zip(self.do_t, keys.v_t):
-            nisa.nc_matmul(dst=dprobs, stationary=do_block, moving=v_block)
-        # dS = P * (dP - delta), in units of the logit before the exp's scale
+        self.probs = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=self.probs, op=nl.exp, data=logits, bias=self.neg_lse, scale=exp_scale)
+        self.scores = None
+
+    def score_gradients(self, scale, softcap):
+        """dS = P * (dP - delta) (times the softcap's tanh derivative)."""
+        rows, kc = self.rows, self.probs.shape[1]
         dscores = nl.ndarray((rows, kc), self.dtype if not softcap else nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=dscores, data=dprobs, op0=nl.subtract, operand0=self.delta, op1=nl.multiply,
-                                  operand1=probs)
+        nisa.scalar_tensor_tensor(dst=dscores, data=self.dprobs, op0=nl.subtract, operand0=self.delta,
+                                  op1=nl.multiply, operand1=self.probs)
         if softcap:
-            # d(cap * tanh(u)) / du = cap * (1 - tanh^2); u = scale * s / cap, so ds = dL * scale * (1 - t^2).
+            # d(cap * tanh(u)) / du = cap * (1 - tanh^2) with u = scale * s / cap: ds = dL * scale * (1 - t^2)
             one_minus = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=one_minus, data1=t, data2=t, op=nl.multiply)
+            nisa.tensor_tensor(dst=one_minus, data1=self.tanh, data2=self.tanh, op=nl.multiply)
             nisa.tensor_scalar(dst=one_minus, data=one_minus, op0=nl.multiply, operand0=-scale, op1=nl.add,
                                operand1=scale)
             scaled = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=scaled, data1=dscores, data2=one_minus, op=nl.multiply)
             dscores = scaled
+        self.dscores, self.dprobs, self.tanh = dscores, None, None
+
+    def key_gradients(self, dk_psum, dv_psum):
+        """dV += P^T dO and dK += dS^T Q (P and dS are query-major already); dS^T for dQ."""
+        kc = self.probs.shape[1]
+        self.ds_t_psum = []
         for j, (c0, cr) in enumerate(_tiles(kc, P)):
-            nisa.nc_matmul(dst=dv_psum[j], stationary=probs[:, c0:c0 + cr], moving=self.do_rows)
-            nisa.nc_matmul(dst=dk_psum[j], stationary=dscores[:, c0:c0 + cr], moving=self.q_rows)
-        dq_psum = nl.ndarray((rows, self.d), nl.float32, buffer=nl.psum)
-        for j, (c0, cr) in enumerate(_tiles(kc, P)):
-            ds_t_psum = nl.ndarray((cr, rows), dscores.dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=ds_t_psum, data=dscores[:, c0:c0 + cr])
-            ds_t = nl.ndarray((cr, rows), dscores.dtype, buffer=nl.sbuf)
-            nisa.activation(dst=ds_t, op=nl.copy, data=ds_t_psum)
+            nisa.nc_matmul(dst=dv_psum[j], stationary=self.probs[:, c0:c0 + cr], moving=self.do_rows)
+            nisa.nc_matmul(dst=dk_psum[j], stationary=self.dscores[:, c0:c0 + cr], moving=self.q_rows)
+            flipped = nl.ndarray((cr, self.rows), self.dscores.dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=flipped, data=self.dscores[:, c0:c0 + cr])
+            self.ds_t_psum.append(flipped)
+        self.probs = None
+
+    def query_gradient(self, keys):
+        """dQ += dS K, the transposed dS evicted by ScalarE."""
+        dq_psum = nl.ndarray((self.rows, self.d), nl.float32, buffer=nl.psum)
+        for j, flipped in enumerate(self.ds_t_psum):
+            ds_t = nl.ndarray(flipped.shape, flipped.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=ds_t, op=nl.copy, data=flipped)
             nisa.nc_matmul(dst=dq_psum, stationary=ds_t, moving=keys.k_rows[j])
-        nisa.tensor_tensor(dst=self.dq_acc, data1=self.dq_acc, data2=dq_psum, op=nl.add)
+        self.dq_psum, self.ds_t_psum, self.dscores = dq_psum, None, None
+
+    def add_query_gradient(self):
+        nisa.tensor_tensor(dst=self.dq_acc, data1=self.dq_acc, data2=self.dq_psum, op=nl.add)
+        self.dq_psum = None
 
     def store_dq(self, dq, factor):
         result = nl.ndarray((self.rows, self.d), self.dtype, buffer=nl.sbuf)
