@@ -18,6 +18,7 @@ from kernels_neuron.bench import Case
 sim.install()  # the kernels import ``nki``: real NKI on a Trainium host, else the simulator
 from kernels_neuron.sim.examples import tiled_matmul  # noqa: E402
 
+from nki_src.attention import flash_attn_bwd, flash_attn_fwd  # noqa: E402
 from nki_src.rmsnorm import rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
 
 from .calibration import basic_tiled, blocked_free, fully_optimized, operands  # noqa: E402
@@ -67,7 +68,50 @@ def _rmsnorm(name: str, model: str, rows: int, hidden: int, convention: str, bac
     )
 
 
+def _attention_inputs(sq: int, sk: int, d: int, window: int, softcap: float, backward: bool, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in ((1, 1, sq, d), (1, 1, sk, d), (1, 1, sk, d)))
+    args = (None, d ** -0.5, True, window, softcap, None)
+    if not backward:
+        return (q, k, v) + args
+    from kernels_neuron import sim
+
+    out, lse = sim.run(flash_attn_fwd, q, k, v, *args).outputs
+    dout = rng.standard_normal(out.shape).astype(ml_dtypes.bfloat16)
+    return (q, k, v, out, dout, lse) + args
+
+
+def _attention_reference(q, k, v, *args):
+    import torch
+
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attention(name: str, model: str, sq: int, sk: int, d: int = 128, window: int = 0, softcap: float = 0.0,
+               backward: bool = False) -> Case:
+    """One (batch, KV head) group, causal, bf16; FLOPs the standard way: 4*Sq*Sk*d halved for causal
+    (only the visible pairs when Sq < Sk), and 2.5x that for the backward."""
+    visible = sum(min(sk, i + 1 + sk - sq) - (max(0, i + sk - sq - window + 1) if window else 0) for i in range(sq)) \
+        if window or sq != sk else sq * sk / 2
+    flops = int(4 * visible * d * (2.5 if backward else 1.0))
+    return Case(
+        name=name, kernel=flash_attn_bwd if backward else flash_attn_fwd,
+        make_inputs=partial(_attention_inputs, sq, sk, d, window, softcap, backward),
+        shape={"Sq": sq, "Sk": sk, "d": d, **({"window": window} if window else {}), **({"softcap": softcap} if softcap else {})},
+        dtype="bfloat16", model=model,
+        reference_name="scaled_dot_product_attention" + (" backward" if backward else ""),
+        reference=_attention_reference, standard_flops=flops,
+    )
+
+
 CASES: list[Case] = [
+    _attention("attention-fwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096),
+    _attention("attention-fwd/llama3-8b/causal-8192", "Llama-3-8B", 8192, 8192),
+    _attention("attention-bwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096, backward=True),
+    _attention("attention-bwd/llama3-8b/causal-8192", "Llama-3-8B", 8192, 8192, backward=True),
+    _attention("attention-fwd/mistral-7b/window-4096-of-8192", "Mistral-7B", 8192, 8192, window=4096),
+    _attention("attention-fwd/gemma2-9b/softcap-d256-4096", "Gemma-2-9B", 4096, 4096, d=256, window=4096, softcap=50.0),
+    _attention("attention-fwd/qwen3-8b/decode-1-of-4096", "Qwen3-8B", 1, 4096),
     _rmsnorm("rmsnorm-fwd/llama3-8b/4096-tokens", "Llama-3-8B", 4096, 4096, "llama"),
     _rmsnorm("rmsnorm-bwd/llama3-8b/4096-tokens", "Llama-3-8B", 4096, 4096, "llama", backward=True),
     _rmsnorm("rmsnorm-fwd/gemma2-9b/4096-tokens", "Gemma-2-9B", 4096, 3584, "gemma"),

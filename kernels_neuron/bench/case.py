@@ -25,6 +25,9 @@ class Case:
     reference: Callable[..., Any]
     kwargs: dict[str, Any] = field(default_factory=dict)
     grid: Any = None
+    # The FLOPs the field reports for this op (e.g. attention's 4*Sq*Sk*d, halved when causal);
+    # None counts every TensorE FLOP in the trace (transposes included).
+    standard_flops: int | None = None
 
 
 @dataclass
