@@ -44,6 +44,16 @@ def _result_tile(acc, out, m0: int, n0: int) -> None:
     nisa.dma_copy(dst=out[m0:m0 + TILE_M, n0:n0 + TILE_N], src=tile)
 
 
+def _column(src, col0: int, width: int) -> list:
+    """The K column of ``src`` at columns [col0, col0 + width), one SBUF tile per 128 rows."""
+    tiles = []
+    for k in nl.affine_range(src.shape[0] // TILE_K):
+        tile = nl.ndarray((TILE_K, width), src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=src[k * TILE_K:(k + 1) * TILE_K, col0:col0 + width])
+        tiles.append(tile)
+    return tiles
+
+
 @nki.jit
 def basic_tiled(lhs_t, rhs):
     k_total, m_total = lhs_t.shape
@@ -69,21 +79,15 @@ def hoisted_loads(lhs_t, rhs):
     k_tiles = k_total // TILE_K
     out = nl.ndarray((m_total, n_total), lhs_t.dtype, buffer=nl.shared_hbm)
     for m in nl.affine_range(m_total // TILE_M):
-        lhs_column = []
-        for k in nl.affine_range(k_tiles):
-            a = nl.ndarray((TILE_K, TILE_M), lhs_t.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=a, src=lhs_t[k * TILE_K:(k + 1) * TILE_K, m * TILE_M:(m + 1) * TILE_M])
-            lhs_column.append(a)
+        lhs_column = _column(lhs_t, m * TILE_M, TILE_M)
         for n in nl.affine_range(n_total // TILE_N):
-            rhs_column = []
-            for k in nl.affine_range(k_tiles):
-                b = nl.ndarray((TILE_K, TILE_N), rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=b, src=rhs[k * TILE_K:(k + 1) * TILE_K, n * TILE_N:(n + 1) * TILE_N])
-                rhs_column.append(b)
+            rhs_column = _column(rhs, n * TILE_N, TILE_N)
             acc = nl.ndarray((TILE_M, TILE_N), nl.float32, buffer=nl.psum)
             for k in nl.affine_range(k_tiles):
                 nisa.nc_matmul(dst=acc, stationary=lhs_column[k], moving=rhs_column[k])
             _result_tile(acc, out, m * TILE_M, n * TILE_N)
+            del rhs_column  # last use: the next column may reuse this SBUF
+        del lhs_column
     return out
 
 
@@ -94,31 +98,17 @@ def blocked_free(lhs_t, rhs, tiles_m=2, tiles_n=2):
     k_tiles = k_total // TILE_K
     out = nl.ndarray((m_total, n_total), lhs_t.dtype, buffer=nl.shared_hbm)
     for mb in nl.affine_range(m_total // (TILE_M * tiles_m)):
-        lhs_block = []
-        for i in range(tiles_m):
-            m0 = (mb * tiles_m + i) * TILE_M
-            column = []
-            for k in nl.affine_range(k_tiles):
-                a = nl.ndarray((TILE_K, TILE_M), lhs_t.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=a, src=lhs_t[k * TILE_K:(k + 1) * TILE_K, m0:m0 + TILE_M])
-                column.append(a)
-            lhs_block.append(column)
+        lhs_block = [_column(lhs_t, (mb * tiles_m + i) * TILE_M, TILE_M) for i in range(tiles_m)]
         for nb in nl.affine_range(n_total // (TILE_N * tiles_n)):
-            rhs_block = []
-            for j in range(tiles_n):
-                n0 = (nb * tiles_n + j) * TILE_N
-                column = []
-                for k in nl.affine_range(k_tiles):
-                    b = nl.ndarray((TILE_K, TILE_N), rhs.dtype, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=b, src=rhs[k * TILE_K:(k + 1) * TILE_K, n0:n0 + TILE_N])
-                    column.append(b)
-                rhs_block.append(column)
+            rhs_block = [_column(rhs, (nb * tiles_n + j) * TILE_N, TILE_N) for j in range(tiles_n)]
             for i in range(tiles_m):
                 for j in range(tiles_n):
                     acc = nl.ndarray((TILE_M, TILE_N), nl.float32, buffer=nl.psum)
                     for k in nl.affine_range(k_tiles):
                         nisa.nc_matmul(dst=acc, stationary=lhs_block[i][k], moving=rhs_block[j][k])
                     _result_tile(acc, out, (mb * tiles_m + i) * TILE_M, (nb * tiles_n + j) * TILE_N)
+            del rhs_block  # last use: the next block may reuse this SBUF
+        del lhs_block
     return out
 
 
