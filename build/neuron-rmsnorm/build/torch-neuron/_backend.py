@@ -39,6 +39,17 @@ def neuron_available() -> bool:
     return True
 
 
+def define_op(qualname: str, mutates_args: tuple = ()) -> Callable[[Callable[..., Any]], Any]:
+    """Register a typed op: through TorchNeuron's ``nki_op`` on a Trainium host, else
+    ``torch.library.custom_op``. Either way the result takes ``register_fake`` and
+    ``register_autograd``. (The TorchNeuron branch cannot run here; it is kept import-safe.)"""
+    try:
+        from torch_neuronx import nki_op
+    except ImportError:
+        return torch.library.custom_op(qualname, mutates_args=mutates_args)
+    return nki_op(qualname, mutates_args=set(mutates_args))
+
+
 def run_kernel(kernel: Callable[..., Any], *args: Any) -> Any:
     """Launch an ``@nki.jit`` kernel on torch tensors.
 

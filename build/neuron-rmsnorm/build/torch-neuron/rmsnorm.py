@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import check_float_tensor, dtype_name, nki_source, op_namespace, run_kernel
+from ._backend import check_float_tensor, define_op, dtype_name, nki_source, op_namespace, run_kernel
 
 _kernels = nki_source(__package__, "rmsnorm")
 CONVENTIONS = _kernels.CONVENTIONS
@@ -41,7 +41,7 @@ def validate(x: torch.Tensor, weight: torch.Tensor, convention: str) -> None:
         raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}")
 
 
-@torch.library.custom_op(f"{_NS}::rmsnorm_fwd", mutates_args=())
+@define_op(f"{_NS}::rmsnorm_fwd")
 def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, convention: str) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, H] forward: (out, rstd [N, 1] fp32)."""
     validate(x, weight, convention)
@@ -56,7 +56,7 @@ def _(x, weight, eps, convention):
     return out, x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{_NS}::rmsnorm_bwd", mutates_args=())
+@define_op(f"{_NS}::rmsnorm_bwd")
 def rmsnorm_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                 convention: str) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, H] backward: (dx in x's dtype, dweight fp32)."""
