@@ -9,12 +9,12 @@
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["kernelize", "register_mapping"]
+__all__ = ["kernelize", "register_attention", "register_mapping"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: importing transformers/kernels is slow and the simulator alone needs neither.
-    if name in ("kernelize", "register_mapping"):
+    if name in ("kernelize", "register_attention", "register_mapping"):
         from . import integration
 
         return getattr(integration, name)

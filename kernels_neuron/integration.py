@@ -291,7 +291,7 @@ def _quiet_kernels_logging():
         root.setLevel(level)
 
 
-def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None) -> nn.Module:
+def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attention: bool = True) -> nn.Module:
     """Swap kernels-neuron's NKI layers into ``model`` and attach ``model.kernels_neuron_report``.
 
     Args:
@@ -300,6 +300,13 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None) -> nn.
             variant that loads is the system's (``torch-cpu`` without Trainium).
         mode: None (from ``model.training``), a ``kernels.Mode``, or "inference", "training",
             "inference+torch.compile", "training+torch.compile".
+        attention: route the model's attention through the registry's attention function (False leaves
+            attention alone and swaps only layers).
+
+    Attention is not swapped as a layer (transformers tags no attention class) but routed through
+    transformers' ``AttentionInterface``: the registry's attention function is registered, with
+    transformers' sdpa mask, under a name without "flash" and the model is switched to it; modules the
+    kernel cannot serve run the model's own attention, and the report has a row per attention module.
 
     Returns:
         The same model. ``model.kernels_neuron_report`` lists every candidate module.
@@ -309,8 +316,8 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None) -> nn.
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
     ...                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=32)).eval()
     >>> model = kernelize(model, device="neuron")
-    >>> len(model.kernels_neuron_report.swapped)
-    3
+    >>> len(model.kernels_neuron_report.swapped)  # 3 norms and 1 attention module
+    4
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize: expected a torch.nn.Module, got {type(model).__name__}")
@@ -333,5 +340,122 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None) -> nn.
             reasons = [f"mode {_mode_name(requested)} is not among the layer's modes {list(layer.modes)}"]
         report.rows.append(ReportRow(path, layer.name, kernel, "fallback",
                                      "; ".join(reasons) or "the kernels library kept the original forward"))
+    if attention:
+        report.rows += _kernelize_attention(model, reg, requested)
     model.kernels_neuron_report = report
     return model
+
+
+# --- attention ------------------------------------------------------------------------------------------
+# transformers tags no attention class, so attention is not swapped as a layer: each attention module
+# calls ALL_ATTENTION_FUNCTIONS[config._attn_implementation]. kernelize registers a dispatcher there
+# (and transformers' sdpa mask in ALL_MASK_ATTENTION_FUNCTIONS under the same name; without it padded
+# batches would silently get no mask) and switches the model to that name. The dispatcher asks the
+# kernel package, per call, whether it can serve the module (unsupported_reasons) and otherwise runs
+# the model's own attention (sdpa, or eager where sdpa cannot: softcap, sinks, an eager model).
+
+ATTENTION_LAYER = "attention"
+_ORIGINAL_ATTENTION = "_kernels_neuron_original_attention"  # set on each attention module by kernelize
+
+
+def _load_attention_kernel(reg: Registry, name: str) -> Any:
+    entry = next(e for e in reg.attention if e.name == name)
+    local = _ensure_local_kernels(reg)
+    version = reg.repos[entry.repo].version
+    return kernels.get_kernel(reg.repo_id(entry.repo), **({"revision": f"v{version}"} if local else {"version": version}))
+
+
+def _bool_mask_as_additive(mask: Any, dtype: Any) -> Any:
+    import torch
+
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                       torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device))
+
+
+def _own_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """The model's own attention for a module the kernel does not serve, given an sdpa-style mask."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    original = getattr(module, _ORIGINAL_ATTENTION, "sdpa")
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    needs_eager = original == "eager" or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+    if eager is None or not needs_eager:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    sq, sk = query.shape[2], key.shape[2]
+    is_causal = kwargs.pop("is_causal", None)
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if attention_mask is None and is_causal and sq > 1:  # sdpa's is_causal (top-left), as a mask for eager
+        attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril()[None, None]
+    return eager(module, query, key, value, _bool_mask_as_additive(attention_mask, query.dtype), **kwargs)
+
+
+def _attention_dispatcher(kernel: Any):
+    def kernels_neuron_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                 is_causal=None, **kwargs):
+        if dropout or kwargs.get("s_aux") is not None or kernel.unsupported_reasons(module, training=module.training):
+            return _own_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+        return kernel.flash_attn_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, is_causal=is_causal, **kwargs)
+
+    return kernels_neuron_attention
+
+
+def register_attention(reg: Registry | None = None) -> list[str]:
+    """Register the registry's attention functions with transformers (``AttentionInterface`` and, with
+    transformers' sdpa mask, ``AttentionMaskInterface``); returns their names. After this,
+    ``attn_implementation="kernels_neuron_attention"`` works in ``from_pretrained``/``from_config``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    reg = reg or registry_module.load()
+    for entry in reg.attention:
+        AttentionInterface.register(entry.name, _attention_dispatcher(_load_attention_kernel(reg, entry.name)))
+        AttentionMaskInterface.register(entry.name, sdpa_mask)
+    return [entry.name for entry in reg.attention]
+
+
+def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers attention modules that call the function AttentionInterface holds for their config."""
+    found = []
+    for path, module in model.named_modules():
+        modeling = sys.modules.get(type(module).__module__)
+        if (type(module).__name__.endswith("Attention") and hasattr(module, "config")
+                and modeling is not None and hasattr(modeling, "ALL_ATTENTION_FUNCTIONS")):
+            found.append((path or "<model>", module))
+    return found
+
+
+def _kernelize_attention(model: nn.Module, reg: Registry, requested: Mode) -> list[ReportRow]:
+    modules = _attention_modules(model)
+    if not reg.attention or not modules:
+        return []
+    entry = reg.attention[0]
+    kernel_label = f"{reg.repo_id(entry.repo)}:{entry.function}"
+    training = Mode.TRAINING in requested
+
+    def rows(reason: str | None, kernel: Any = None) -> list[ReportRow]:
+        out = []
+        for path, module in modules:
+            reasons = [reason] if reason else kernel.unsupported_reasons(module, training=training)
+            out.append(ReportRow(path, ATTENTION_LAYER, kernel_label, "fallback" if reasons else "swapped",
+                                 "; ".join(reasons)))
+        return out
+
+    wanted = [name for name, flag in _MODE_NAMES.items() if flag in requested]
+    missing = [name for name in wanted if name not in entry.modes]
+    if missing:
+        return rows(f"mode {_mode_name(requested)} is not among the attention function's modes {list(entry.modes)}")
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is None or not can_set():
+        return rows(f"{type(model).__name__} does not let transformers set its attention implementation")
+    register_attention(reg)
+    original = model.config._attn_implementation
+    for _, module in modules:
+        if not hasattr(module, _ORIGINAL_ATTENTION):  # kernelizing twice keeps the model's own
+            setattr(module, _ORIGINAL_ATTENTION, original if original in ("sdpa", "eager") else "sdpa")
+    model.set_attn_implementation(entry.name)
+    return rows(None, _load_attention_kernel(reg, entry.name))

@@ -22,8 +22,13 @@ class Repo:
     ops: tuple[str, ...] = ()
     layers: str | None = None
     nki: tuple[str, ...] = ()
-    exports: tuple[str, ...] = ()
+    exports: tuple[str, ...] = ()  # "name" (from the first public ops module) or "module:name"
     benchmarks: tuple[str, ...] = ()
+
+    @property
+    def export_names(self) -> tuple[str, ...]:
+        """The names the package exports (``exports`` without their ``module:`` prefixes)."""
+        return tuple(export.rpartition(":")[2] for export in self.exports)
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,23 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class Attention:
+    """An attention function ``kernelize`` registers with transformers' AttentionInterface (and the sdpa
+    mask with AttentionMaskInterface) under ``name``, taken from ``repo``'s export ``function``."""
+
+    name: str
+    repo: str
+    function: str
+    modes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Registry:
     org: str
     license: str
     repos: dict[str, Repo]
     layers: tuple[Layer, ...]
+    attention: tuple[Attention, ...] = ()
 
     def repo_id(self, repo: str) -> str:
         return f"{self.org}/{repo}"
@@ -84,5 +101,23 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
             raise ValueError(f"{where}: unknown modes {sorted(bad)}; use {MODES}")
         layers.append(Layer(name=entry["name"], repo=entry["repo"], layer=entry["layer"], modes=tuple(entry["modes"]),
                             classes=tuple(entry.get("classes", ())), constraints=dict(entry.get("constraints", {}))))
+    attention = []
+    for i, entry in enumerate(raw.get("attention", ())):
+        where = f"registry: attention[{i}] ({entry.get('name', '?')})"
+        for key in ("name", "repo", "function", "modes"):
+            if key not in entry:
+                raise ValueError(f"{where}: missing {key!r}")
+        if entry["repo"] not in repos:
+            raise ValueError(f"{where}: repo {entry['repo']!r} is not defined under [repos]")
+        if entry["function"] not in repos[entry["repo"]].export_names:
+            raise ValueError(f"{where}: function {entry['function']!r} is not among the exports of {entry['repo']!r}")
+        if "flash" in entry["name"]:
+            raise ValueError(f"{where}: the name must not contain 'flash' (transformers would treat it as a "
+                             "flash-attention implementation)")
+        bad = set(entry["modes"]) - set(MODES)
+        if bad:
+            raise ValueError(f"{where}: unknown modes {sorted(bad)}; use {MODES}")
+        attention.append(Attention(name=entry["name"], repo=entry["repo"], function=entry["function"],
+                                   modes=tuple(entry["modes"])))
     return Registry(org=hub.get("org", "kernels-neuron"), license=hub.get("license", "apache-2.0"), repos=repos,
-                    layers=tuple(layers))
+                    layers=tuple(layers), attention=tuple(attention))

@@ -55,11 +55,15 @@ def _variant_init(repo: Repo, registry: Registry, simulated: bool) -> bytes:
         lines += ["from kernels import get_kernel_dep", "",
                   "# `import nki` must resolve before the kernel modules load: the simulator, from its own repo.",
                   f'get_kernel_dep("{registry.repo_id("nki-sim")}").install()', ""]
-    exports = [*repo.exports]
-    module = next(op for op in repo.ops if not op.startswith("_"))
-    lines += ["from . import layers  # noqa: E402",
-              f"from .{module} import {', '.join(exports)}  # noqa: E402", "",
-              f"__all__ = {['layers', *exports]!r}", ""]
+    # An export is "name" (from the first public ops module) or "module:name" (from that ops module).
+    default = next(op for op in repo.ops if not op.startswith("_"))
+    by_module: dict[str, list[str]] = {}
+    for export in repo.exports:
+        module, _, name = export.rpartition(":")
+        by_module.setdefault(module or default, []).append(name)
+    lines += ["from . import layers  # noqa: E402"]
+    lines += [f"from .{module} import {', '.join(names)}  # noqa: E402" for module, names in by_module.items()]
+    lines += ["", f"__all__ = {['layers', *repo.export_names]!r}", ""]
     return "\n".join(lines).encode()
 
 

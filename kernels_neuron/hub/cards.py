@@ -23,16 +23,41 @@ def model_card(repo: Repo, registry: Registry, variants: list[str]) -> str:
     if repo.kind == "kernel":
         lines += ["", "## Usage", "", "```python", "from kernels import get_kernel", "",
                   f'kernel = get_kernel("{repo_id}", version={repo.version})']
-        lines += [f"kernel.{name}" for name in repo.exports] + ["kernel.layers  # the layers below, for kernelize"]
+        lines += [f"kernel.{name}" for name in repo.export_names]
+        lines += ["kernel.layers  # the layers below, for kernelize" if layers else "kernel.layers  # no layer classes"]
         lines += ["```", "", "Offline, point the kernels library at a checkout (list the simulator too):", "",
-                  "```bash", f"LOCAL_KERNELS={repo_id}=build/{repo.name}:{registry.repo_id('nki-sim')}=build/nki-sim", "```",
-                  "", "## Layers", "", "| layer | replaces | modes |", "|---|---|---|"]
-        for layer in layers:
-            replaces = ", ".join(layer.classes) if layer.classes else f"classes transformers tags `{layer.name}`"
-            lines.append(f"| `{layer.layer}` | {replaces} | {', '.join(layer.modes)} |")
-        lines += ["", "Constraints a module must meet to be swapped (others keep their own forward):", ""]
-        for layer in layers:
-            lines.append(f"- `{layer.name}`: " + ", ".join(f"{k} = {v}" for k, v in layer.constraints.items()))
+                  "```bash", f"LOCAL_KERNELS={repo_id}=build/{repo.name}:{registry.repo_id('nki-sim')}=build/nki-sim", "```"]
+        if layers:
+            lines += ["", "## Layers", "", "| layer | replaces | modes |", "|---|---|---|"]
+            for layer in layers:
+                replaces = ", ".join(layer.classes) if layer.classes else f"classes transformers tags `{layer.name}`"
+                lines.append(f"| `{layer.layer}` | {replaces} | {', '.join(layer.modes)} |")
+            lines += ["", "Constraints a module must meet to be swapped (others keep their own forward):", ""]
+            for layer in layers:
+                lines.append(f"- `{layer.name}`: " + ", ".join(f"{k} = {v}" for k, v in layer.constraints.items()))
+        lines += _attention_section(repo, registry)
     lines += ["", "Speed figures for these kernels from kernels-neuron are modelled (a cost-model estimate), "
                   "not measured on hardware.", ""]
     return "\n".join(lines)
+
+
+def _attention_section(repo: Repo, registry: Registry) -> list[str]:
+    """How transformers models reach an attention repo's function."""
+    entries = [entry for entry in registry.attention if entry.repo == repo.name]
+    if not entries:
+        return []
+    repo_id = registry.repo_id(repo.name)
+    lines = ["", "## transformers attention", "",
+             "The repo exports FlashAttention-2's `flash_attn_func`, `flash_attn_varlen_func` and "
+             "`flash_attn_with_kvcache`, so transformers (5.20.2 to 5.22.x, with kernels 0.17.2) runs it through "
+             "its flash-attention path (unpadding, `cu_seqlens`, `window_size`, `softcap`):", "",
+             "```python", f'model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="{repo_id}")',
+             f'model.set_attn_implementation("{repo_id}")  # or on a built model', "```", "",
+             "`flash_attn_forward` (with `supports_flash_attn`) follows transformers' attention-function "
+             "contract with sdpa masks; `kernels_neuron.kernelize(model, device=\"neuron\")` registers it:", ""]
+    for entry in entries:
+        lines.append(f"- as `{entry.name}` with `AttentionInterface` and transformers' sdpa mask with "
+                     f"`AttentionMaskInterface` (modes: {', '.join(entry.modes)}); modules the kernel cannot serve "
+                     "(`unsupported_reasons`: head_dim above 256, attention sinks, dropout in training) run "
+                     "transformers' own attention.")
+    return lines

@@ -177,10 +177,40 @@ def test_model_card(repo_name):
     if repo.kind == "kernel":
         assert "`torch-neuron`" in card
         assert f'get_kernel("{REGISTRY.repo_id(repo_name)}", version={repo.version})' in card
-        for export in repo.exports:
+        for export in repo.export_names:
             assert f"kernel.{export}" in card
         for layer in REGISTRY.layers:
             if layer.repo == repo_name:
                 assert f"| `{layer.layer}` |" in card and f"- `{layer.name}`:" in card
                 for cls in layer.classes:
                     assert cls in card
+        for entry in REGISTRY.attention:
+            if entry.repo == repo_name:
+                assert f'attn_implementation="{REGISTRY.repo_id(repo_name)}"' in card and f"`{entry.name}`" in card
+
+
+# --- registry: attention entries and qualified exports ------------------------------------------------------
+
+@pytest.mark.parametrize("change, match", [
+    ({"name": "neuron_flash"}, "must not contain 'flash'"),
+    ({"repo": "nope"}, "repo 'nope' is not defined"),
+    ({"function": "not_exported"}, "function 'not_exported' is not among the exports"),
+    ({"modes": ["inference", "fast"]}, "unknown modes"),
+])
+def test_registry_checks_attention_entries(change, match, tmp_path):
+    text = registry_module.REGISTRY_PATH.read_text()
+    entry = {"name": "kernels_neuron_attention", "repo": "neuron-flash-attn", "function": "flash_attn_forward",
+             "modes": ["inference"], **change}
+    start = text.index("[[attention]]")
+    body = "".join(f"{key} = {json.dumps(value)}\n" for key, value in entry.items())
+    (tmp_path / "registry.toml").write_text(text[:start] + "[[attention]]\n" + body)
+    with pytest.raises(ValueError, match=match):
+        registry_module.load(tmp_path / "registry.toml")
+
+
+def test_qualified_exports_are_imported_from_their_module():
+    repo = REGISTRY.repos["neuron-flash-attn"]
+    init = (build.BUILD_DIR / "neuron-flash-attn/build/torch-cpu/__init__.py").read_text()
+    assert "from .flash_attn_interface import flash_attn_forward, supports_flash_attn" in init
+    assert "from .attention import flash_attention" in init
+    assert ":" not in "".join(repo.export_names) and len(repo.export_names) == len(repo.exports)

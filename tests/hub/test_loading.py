@@ -167,7 +167,7 @@ def test_install_names_the_stale_file(tmp_path):
     assert not (tmp_path / "cache").exists()
     hub.write(out)  # fresh again: installs
     installed = hub.install(cache=tmp_path / "cache", build_dir=out)
-    assert set(installed) == {RMSNORM, NKI_SIM}
+    assert set(installed) == {REGISTRY.repo_id(name) for name in REGISTRY.repos}
     _assert_installed(tmp_path / "cache")
 
 
@@ -211,3 +211,60 @@ def test_list_shows_stale_layers_when_their_kernel_or_the_simulator_changes(sour
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert out.count("stale") == len(REGISTRY.layers) and "up to date" not in out
+
+
+# --- neuron-flash-attn: the same two offline routes ----------------------------------------------------
+
+FLASH_ATTN = REGISTRY.repo_id("neuron-flash-attn")
+FLASH_ATTN_EXPORTS = sorted(REGISTRY.repos["neuron-flash-attn"].export_names)
+
+# Loads neuron-flash-attn v1 and runs its attention entry points (forward and backward) against the
+# reference it ships; prints one JSON line.
+LOAD_AND_RUN_FLASH_ATTN = textwrap.dedent(f"""
+    import json, sys
+    import torch, kernels
+
+    kernel = kernels.get_kernel({FLASH_ATTN!r}, version=1)
+    sim = next(m for name, m in sys.modules.items() if name.startswith("_nki_sim_cpu_") and "." not in name)
+    q, k, v = (torch.randn(2, h, 40, 64) for h in (4, 2, 2))
+    ref = kernel.attention_reference(q, k, v, causal=True, window=9)
+    errors = {{}}
+    with sim.capture() as traces:
+        errors["flash_attention"] = (kernel.flash_attention(q, k, v, causal=True, window=9) - ref).abs().max().item()
+        out = kernel.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                     window_size=(8, 8))
+        errors["flash_attn_func"] = (out.transpose(1, 2) - ref).abs().max().item()
+        out, _ = kernel.flash_attn_forward(None, q, k, v, None, sliding_window=9)
+        errors["flash_attn_forward"] = (out.transpose(1, 2) - ref).abs().max().item()
+        leaf = q.clone().requires_grad_(True)
+        kernel.flash_attention(leaf, k, v, causal=True).sum().backward()
+        ref_leaf = q.clone().requires_grad_(True)
+        kernel.attention_reference(ref_leaf, k, v, causal=True).sum().backward()
+        errors["dq"] = (leaf.grad - ref_leaf.grad).abs().max().item()
+    print(json.dumps({{"name": kernel.__name__, "file": kernel.__file__, "all": sorted(kernel.__all__),
+                       "has_layers": hasattr(kernel, "layers"), "errors": errors,
+                       "kernels": sorted(t.kernel for t in traces),
+                       "checkout_imported": "kernels_neuron" in sys.modules}}))
+""")
+
+
+@pytest.mark.parametrize("route", ["local_kernels", "installed"])
+def test_flash_attn_repo_loads_offline_and_runs(route, tmp_path):
+    if route == "local_kernels":
+        env = _env(tmp_path, LOCAL_KERNELS=_local_kernels("neuron-flash-attn", "nki-sim"))
+        variant_dir = build.BUILD_DIR / "neuron-flash-attn" / "build" / "torch-cpu"
+    else:
+        cache = tmp_path / "cache"
+        hub.install(cache=cache)
+        env = _env(tmp_path, HF_HUB_CACHE=str(cache))
+        root = cache / f"kernels--{REGISTRY.org}--neuron-flash-attn"
+        variant_dir = root / "snapshots" / (root / "refs" / "v1").read_text() / "build" / "torch-cpu"
+    done = _run([sys.executable, "-c", LOAD_AND_RUN_FLASH_ATTN], env, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["name"].startswith("_neuron_flash_attn_cpu_")
+    assert Path(result["file"]).resolve().parent == variant_dir.resolve()
+    assert result["all"] == sorted(["layers", *FLASH_ATTN_EXPORTS]) and result["has_layers"]
+    assert all(error <= 1e-5 for error in result["errors"].values()), result["errors"]
+    assert result["kernels"] == ["flash_attn_bwd"] + ["flash_attn_fwd"] * 4  # all on the shipped simulator
+    assert result["checkout_imported"] is False

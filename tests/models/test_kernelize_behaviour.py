@@ -23,7 +23,8 @@ from tiny_models import (KERNEL_PACKAGE, assert_bf16_like_torch, assert_logits_m
 
 
 def _kernelize(model, **kwargs):
-    return kernels_neuron.kernelize(model, device="neuron", **kwargs)
+    # attention=False: these tests check the norm layers' contract in isolation; attention has tests/models/test_attention_models.py.
+    return kernels_neuron.kernelize(model, device="neuron", attention=False, **kwargs)
 
 
 # --- modes --------------------------------------------------------------------------------------------

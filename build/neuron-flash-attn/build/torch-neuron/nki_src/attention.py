@@ -1,0 +1,531 @@
+"""Flash attention for Trainium, in NKI: tiled online softmax, forward and backward.
+
+Semantics are ``torch.nn.functional.scaled_dot_product_attention`` plus what transformers'
+models need: grouped-query attention, causal masking aligned as transformers aligns it (the
+last query sees the last key, so query i of Sq sees keys j <= i + Sk - Sq), a sliding window
+(query i sees keys i + Sk - Sq - window < j), logit softcapping (``cap * tanh(s / cap)``), an
+additive bias (padding masks), and packed variable-length sequences. A query row that can see
+no key returns zeros.
+
+Dimensions
+    B batch, H query heads, G = H / Hkv query heads per KV head, Sq queries, Sk keys,
+    D head dim (1..MAX_HEAD_DIM; above 128 the contraction over D is split in 128-row halves).
+
+Tiling plan (forward)
+    Per (batch, KV head): K is transposed on TensorE once into SBUF as K^T [D, Sk] and V stays
+    [keys, D] in 128-key tiles; every query head of the group and every query tile reuses them
+    (no KV replication in HBM). Per 128-query tile, key tiles of KEY_TILE columns:
+    S = Q K^T into one PSUM bank; VectorE's range_select applies the causal/window bounds and
+    takes the row max in one pass (tensor_reduce when a tile needs no mask); ScalarE computes
+    P = exp(scale * S - m) with its row sum; TensorE transposes P and accumulates P V in PSUM;
+    VectorE rescales the running output. Key tiles wholly outside the mask are skipped, which
+    is where causal attention halves the work. The S x S scores never reach HBM: the forward
+    writes only the output and the log-sum-exp.
+"""
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+P = 128
+KEY_TILE = 512  # one fp32 PSUM bank of scores per query tile
+MAX_HEAD_DIM = 256
+INTERLEAVE = 4  # query tiles advanced in lockstep; 4 keeps every engine fed and fits PSUM's 8 banks
+BWD_INTERLEAVE = 2  # the backward holds S and dP per query tile, plus dK/dV for the key tile, in PSUM
+FP32_MIN = -3.4028234663852886e38
+# The running max never drops below this, so a row that has seen only masked keys keeps
+# exp(masked - max) = 0 instead of exp(0) = 1 (masked scores are filled with FP32_MIN).
+MAX_FLOOR = -1.0e30
+
+
+def _tiles(total, size):
+    for start in range(0, total, size):
+        yield start, min(size, total - start)
+
+
+def check_shapes(q_shape, k_shape, v_shape, bias_shape=None):
+    """Raise ValueError naming the op, the shape and the limit for shapes the kernel cannot take."""
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
+        raise ValueError(f"flash_attn: q, k, v must be 4-D [B, H, S, D], got {q_shape}, {k_shape}, {v_shape}")
+    b, h, sq, d = q_shape
+    if tuple(k_shape) != tuple(v_shape):
+        raise ValueError(f"flash_attn: k {tuple(k_shape)} and v {tuple(v_shape)} must have the same shape")
+    kb, hkv, sk, kd = k_shape
+    if kb != b or kd != d:
+        raise ValueError(f"flash_attn: q {tuple(q_shape)} and k {tuple(k_shape)} differ in batch or head dim")
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"flash_attn: {h} query heads are not a multiple of {hkv} KV heads")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"flash_attn: head_dim {d} is outside the supported 1..{MAX_HEAD_DIM}")
+    if sq < 1 or sk < 1 or b < 1:
+        raise ValueError(f"flash_attn: empty input: q {tuple(q_shape)}, k {tuple(k_shape)}")
+    if bias_shape is not None:
+        bb, bh, bq, bk = bias_shape
+        if bb not in (1, b) or bh not in (1, h) or (bq, bk) != (sq, sk):
+            raise ValueError(f"flash_attn: mask/bias of shape {tuple(bias_shape)} does not broadcast to "
+                             f"[{b}, {h}, {sq}, {sk}]")
+
+
+def _transposed_blocks(src, rows, cols, dtype, keep_rows=False):
+    """src[rows, cols] (HBM) -> SBUF tiles [<=128 cols, rows], one per 128-column block, via TensorE.
+
+    With ``keep_rows`` it also returns the row-major 128-row tiles it loaded on the way."""
+    blocks = [nl.ndarray((c, rows), dtype, buffer=nl.sbuf) for _, c in _tiles(cols, P)]
+    row_tiles = []
+    for r0, r in _tiles(rows, P):
+        tile = nl.ndarray((r, cols), dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=src[r0:r0 + r, :])
+        for block, (c0, c) in zip(blocks, _tiles(cols, P)):
+            flipped = nl.ndarray((c, r), dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=flipped, data=tile[:, c0:c0 + c])
+            nisa.tensor_copy(dst=block[:, r0:r0 + r], src=flipped)
+        if keep_rows:
+            row_tiles.append(tile)
+    return (blocks, row_tiles) if keep_rows else blocks
+
+
+def _column(value, rows):
+    column = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=column, value=value)
+    return column
+
+
+class _Visibility(nl.NKIObject):
+    """Which keys each query row of a tile may see: keys in [lower_i, upper_i], plus the key span
+    [first, end) that covers every row (``first`` aligned down to a 128-key tile)."""
+
+    def __init__(self, q0, rows, causal, window, offset, seg_lo, seg_hi):
+        self.q0, self.rows, self.causal, self.window, self.offset = q0, rows, causal, window, offset
+        self.seg_lo = seg_lo
+        self.end = min(seg_hi, q0 + rows + offset) if causal else seg_hi
+        lowest = max(seg_lo, q0 + offset - window + 1) if window else seg_lo
+        self.first = max(0, (min(lowest, self.end) // P) * P)
+        self.lowest = lowest
+        self.upper = self.lower = None
+        if causal:
+            self.upper = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+            nisa.iota(dst=self.upper, pattern=[[0, 1]], offset=offset + q0, channel_multiplier=1)
+        if window or self.first < seg_lo:
+            self.lower = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+            if window:
+                nisa.iota(dst=self.lower, pattern=[[0, 1]], offset=offset + q0 - window + 1, channel_multiplier=1)
+                nisa.tensor_scalar(dst=self.lower, data=self.lower, op0=nl.maximum, operand0=float(seg_lo))
+            else:
+                nisa.memset(dst=self.lower, value=float(seg_lo))
+
+    def masks(self, k0, kc):
+        """Whether some row of the tile may not see some key of [k0, k0 + kc)."""
+        cut_above = (self.causal and k0 + kc - 1 > self.offset + self.q0) or k0 + kc > self.end
+        top_lower = self.offset + self.q0 + self.rows - self.window if self.window else self.seg_lo
+        cut_below = k0 < top_lower if (self.window or k0 < self.seg_lo) else False
+        return cut_above or cut_below
+
+    def sees(self, k0, kc):
+        """Whether some row of the tile sees some key of [k0, k0 + kc)."""
+        return k0 < self.end and k0 + kc > self.lowest
+
+    def bounds(self):
+        if self.lower is None:
+            self.lower = _column(float(self.seg_lo), self.rows)
+        upper = self.upper if self.upper is not None else _column(float(self.end - 1), self.rows)
+        return self.lower, upper
+
+
+@nki.jit
+def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
+    """Flash attention forward.
+
+    Args:
+        q: [B, H, Sq, D]; k, v: [B, Hkv, Sk, D] in HBM (bf16, fp16 or fp32).
+        bias: None or an additive fp32 mask/bias [B or 1, H or 1, Sq, Sk] (0 keeps, -inf drops).
+        scale: softmax scale (Python float).
+        causal: bool; window: 0 (none) or keys per query; softcap: 0.0 (none) or the cap.
+        segments: None, or for packed sequences (B = 1, Sq = Sk) a tuple of (start, end) token
+            ranges; tokens attend only within their own range.
+
+    IO shapes:
+        returns (out [B, H, Sq, D] of q's dtype, lse [B, H, Sq] fp32 log-sum-exp of the scaled
+        logits; a row that sees no key gets a zero output and an lse near -1e30).
+    """
+    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape)
+    batch, heads, sq, d = q.shape
+    kv_heads, sk = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    out = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
+    lse_out = nl.ndarray((batch, heads, sq), nl.float32, buffer=nl.shared_hbm)
+    spans = list(segments) if segments else [(0, sq)]
+    offset = 0 if segments else sk - sq
+    for b in range(batch):
+        for g in range(kv_heads):
+            k_t = _transposed_blocks(k[b, g], sk, d, k.dtype)  # per 128 of D: [<=128, Sk]
+            v_tiles = []
+            for k0, kr in _tiles(sk, P):
+                v_tile = nl.ndarray((kr, d), v.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=v_tile, src=v[b, g, k0:k0 + kr, :])
+                v_tiles.append(v_tile)
+            work = [(h, seg_lo + q0, rows, seg_lo, seg_hi if segments else sk)
+                    for h in range(g * group, (g + 1) * group) for seg_lo, seg_hi in spans
+                    for q0, rows in _tiles(seg_hi - seg_lo, P)]
+            for i in range(0, len(work), INTERLEAVE):
+                tiles = [_QueryTile(q, b, h, _Visibility(q0, rows, causal, window, offset, lo, hi), scale, softcap)
+                         for h, q0, rows, lo, hi in work[i:i + INTERLEAVE]]
+                # Phase by phase across the interleaved tiles, so each engine always has another
+                # tile's independent work queued behind a dependency, and software-pipelined: the
+                # next key tile's scores and row max are issued before this one's P V and rescale.
+                for tile in tiles:
+                    tile.scores(0, bias, k_t)
+                for tile in tiles:
+                    tile.row_max(0)
+                for step in range(max(t.steps for t in tiles)):
+                    for phase in (lambda t: t.exponentiate(step), lambda t: t.scores(step + 1, bias, k_t),
+                                  lambda t: t.transpose_probs(step), lambda t: t.row_max(step + 1),
+                                  lambda t: t.multiply_values(step, v_tiles), lambda t: t.rescale(step)):
+                        for tile in tiles:
+                            phase(tile)
+                for tile in tiles:
+                    tile.finish(out, lse_out)
+            del k_t, v_tiles
+    return out, lse_out
+
+
+class _QueryTile(nl.NKIObject):
+    """The online-softmax state of one 128-query tile, advanced one key tile at a time, so that
+    several independent tiles can be interleaved and keep every engine busy."""
+
+    def __init__(self, q, b, h, seen, scale, softcap):
+        self.b, self.h, self.seen, self.scale, self.softcap = b, h, seen, scale, softcap
+        rows, d = seen.rows, q.shape[3]
+        self.rows, self.d, self.dtype = rows, d, q.dtype
+        self.q_t = _transposed_blocks(q[b, h, seen.q0:seen.q0 + rows, :], rows, d, q.dtype)
+        self.neg_running_max = _column(-MAX_FLOOR, rows)
+        self.running_sum = _column(0.0, rows)
+        self.acc = nl.ndarray((rows, d), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.acc, value=0.0)
+        # Logits are exp_scale * t, t being the raw score (or tanh(scale * s / cap) with softcap).
+        self.exp_scale = softcap if softcap else scale
+        self.steps = (max(0, seen.end - seen.first) + KEY_TILE - 1) // KEY_TILE
+        self.dtype_kv = q.dtype
+        self.pending = {}  # step -> (k0, kc, scores not yet turned into probabilities)
+        self.current = None  # the step in flight between phases
+
+    def scores(self, step, bias, k_t):
+        """Scores of key tile ``step``, masked, and their probabilities with the running max/sum."""
+        if step >= self.steps:
+            return
+        seen, rows = self.seen, self.rows
+        k0 = seen.first + step * KEY_TILE
+        kc = min(KEY_TILE, seen.end - k0)
+        scores = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
+        for q_block, k_block in zip(self.q_t, k_t):
+            nisa.nc_matmul(dst=scores, stationary=q_block, moving=k_block[:, k0:k0 + kc])
+        t = scores
+        if self.softcap:
+            capped = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=capped, op=nl.tanh, data=scores, scale=self.scale / self.softcap)
+            t = capped
+        if bias is not None:
+            bias_tile = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=bias_tile, src=bias[min(self.b, bias.shape[0] - 1), min(self.h, bias.shape[1] - 1),
+                                                  seen.q0:seen.q0 + rows, k0:k0 + kc])
+            biased = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=biased, data=bias_tile, op0=nl.multiply, operand0=1.0 / self.exp_scale,
+                                      op1=nl.add, operand1=t)
+            t = biased
+        self.pending[step] = (k0, kc, t)
+
+    def row_max(self, step):
+        """Mask key tile ``step`` and take the row max; the new running max and its negation."""
+        if step >= self.steps:
+            return
+        k0, kc, t = self.pending[step]
+        rows = self.rows
+        tile_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        if self.seen.masks(k0, kc):
+            lower, upper = self.seen.bounds()
+            masked = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.range_select(dst=masked, on_true_tile=t, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
+                              bound0=lower, bound1=upper, reduce_res=tile_max, reduce_op=nl.maximum, range_start=k0)
+            t = masked
+        else:
+            nisa.tensor_reduce(dst=tile_max, op=nl.maximum, data=t, axis=1)
+        # The running max is kept negated: it is the bias of the exp, so no separate negation.
+        neg_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=neg_max, data=tile_max, op0=nl.multiply, operand0=-self.exp_scale,
+                                  op1=nl.minimum, operand1=self.neg_running_max)
+        self.pending[step] = (k0, kc, t, neg_max)
+
+    def exponentiate(self, step):
+        """P = exp(logits - max) with its row sum, and the rescale factor of what came before."""
+        if step >= self.steps:
+            return
+        k0, kc, t, neg_max = self.pending.pop(step)
+        rows = self.rows
+        correction = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # exp(old max - new max)
+        nisa.activation(dst=correction, op=nl.exp, data=self.neg_running_max, scale=-1.0, bias=neg_max)
+        probs = nl.ndarray((rows, kc), self.dtype_kv, buffer=nl.sbuf)
+        tile_sum = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation_reduce(dst=probs, op=nl.exp, data=t, reduce_op=nl.add, reduce_res=tile_sum,
+                               bias=neg_max, scale=self.exp_scale)
+        self.neg_running_max = neg_max
+        self.current = (k0, kc, probs, tile_sum, correction)
+
+    def transpose_probs(self, step):
+        """The running sum, and P^T on TensorE (keys onto partitions for P V)."""
+        if step >= self.steps:
+            return
+        k0, kc, probs, tile_sum, correction = self.current
+        nisa.tensor_tensor(dst=self.running_sum, data1=self.running_sum, data2=correction, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=self.running_sum, data1=self.running_sum, data2=tile_sum, op=nl.add,
+                           engine=nisa.engine.gpsimd)
+        transposed = []
+        for c0, cc in _tiles(kc, P):
+            probs_t_psum = nl.ndarray((cc, self.rows), probs.dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=probs_t_psum, data=probs[:, c0:c0 + cc])
+            transposed.append((c0, cc, probs_t_psum))
+        self.current = (k0, transposed, correction)
+
+    def multiply_values(self, step, v_tiles):
+        """P V into PSUM; ScalarE evicts three of four transposed blocks, VectorE (busier) one."""
+        if step >= self.steps:
+            return
+        k0, transposed, correction = self.current
+        evicted = []
+        for j, (c0, cc, probs_t_psum) in enumerate(transposed):
+            probs_t = nl.ndarray((cc, self.rows), probs_t_psum.dtype, buffer=nl.sbuf)
+            if j % 4 == 3:
+                nisa.tensor_copy(dst=probs_t, src=probs_t_psum)
+            else:
+                nisa.activation(dst=probs_t, op=nl.copy, data=probs_t_psum)
+            evicted.append((c0, cc, probs_t))
+        pv = nl.ndarray((self.rows, self.d), nl.float32, buffer=nl.psum)
+        for c0, cc, probs_t in evicted:
+            v_tile = v_tiles[(k0 + c0) // P]
+            nisa.nc_matmul(dst=pv, stationary=probs_t, moving=v_tile[(k0 + c0) % P:(k0 + c0) % P + cc, :])
+        self.current = (pv, correction)
+
+    def rescale(self, step):
+        """acc = acc * correction + P V."""
+        if step >= self.steps:
+            return
+        pv, correction = self.current
+        nisa.scalar_tensor_tensor(dst=self.acc, data=self.acc, op0=nl.multiply, operand0=correction, op1=nl.add,
+                                  operand1=pv)
+
+    def finish(self, out, lse_out):
+        """out = acc / sum (a row that saw no key has acc = 0 and sum = 0, and stays 0); lse."""
+        rows, q0 = self.rows, self.seen.q0
+        safe_sum = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=safe_sum, data=self.running_sum, op0=nl.maximum, operand0=1e-30)
+        inverse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=inverse, data=safe_sum)
+        result = nl.ndarray((rows, self.d), self.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=result, data=self.acc, op0=nl.multiply, operand0=inverse)
+        nisa.dma_copy(dst=out[self.b, self.h, q0:q0 + rows, :], src=result)
+        lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=lse, op=nl.log, data=safe_sum)
+        nisa.tensor_tensor(dst=lse, data1=lse, data2=self.neg_running_max, op=nl.subtract)
+        nisa.dma_copy(dst=lse_out[self.b, self.h, q0:q0 + rows].reshape((rows, 1)), src=lse)
+
+
+@nki.jit
+def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap, segments):
+    """Flash attention backward: dq, dk, dv, recomputing the probabilities from the saved lse.
+
+    Args:
+        q, k, v, bias, scale, causal, window, softcap, segments: as for the forward.
+        out: [B, H, Sq, D] forward output; dout: its gradient; lse: [B, H, Sq] from the forward.
+
+    IO shapes:
+        returns (dq [B, H, Sq, D] of q's dtype, dk and dv [B, Hkv, Sk, D] of k's dtype; for GQA the
+        group's query heads are summed into their KV head).
+
+    Tiling plan
+        Per (batch, query head) the query side stays in SBUF: Q and dO in 128-row tiles and
+        transposed (D on partitions), the lse, delta = rowsum(dO * O) and an fp32 dQ accumulator.
+        Key tiles of KEY_TILE keys go outside, query tiles inside, so that dK and dV accumulate in
+        PSUM over all query tiles and are added once per key tile into per-KV-head fp32 SBUF
+        accumulators (which also sum a GQA group). Per (query tile, key tile):
+        S = Q K^T and dP = dO V^T on TensorE; P = exp(logits - lse) on ScalarE (masked first on
+        VectorE only where the tile crosses a mask edge); dS = P * (dP - delta) in one VectorE
+        instruction; dV += P^T dO and dK += dS^T Q straight from the query-major P and dS; dS^T
+        on TensorE for dQ += dS K.
+    """
+    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape)
+    batch, heads, sq, d = q.shape
+    kv_heads, sk = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    dq = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray((batch, kv_heads, sk, d), k.dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray((batch, kv_heads, sk, d), v.dtype, buffer=nl.shared_hbm)
+    spans = list(segments) if segments else [(0, sq)]
+    offset = 0 if segments else sk - sq
+    exp_scale = softcap if softcap else scale
+    key_blocks = list(_tiles(sk, P))
+    for b in range(batch):
+        for g in range(kv_heads):
+            dk_acc = [_zeros((kr, d)) for _, kr in key_blocks]
+            dv_acc = [_zeros((kr, d)) for _, kr in key_blocks]
+            for h in range(g * group, (g + 1) * group):
+                rows_of = [_QuerySide(q, out, dout, lse, b, h, _Visibility(lo + q0, rows, causal, window, offset, lo,
+                                                                            hi if segments else sk))
+                           for lo, hi in spans for q0, rows in _tiles(hi - lo, P)]
+                for k0, kc in _tiles(sk, KEY_TILE):
+                    keys = _KeySide(k, v, b, g, k0, kc)
+                    dk_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in _tiles(kc, P)]
+                    dv_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in _tiles(kc, P)]
+                    active = [side for side in rows_of if side.seen.sees(k0, kc)]
+                    for i in range(0, len(active), BWD_INTERLEAVE):
+                        group_sides = active[i:i + BWD_INTERLEAVE]
+                        for phase in (lambda t: t.products(keys),
+                                      lambda t: t.probabilities(keys, bias, scale, softcap, exp_scale),
+                                      lambda t: t.score_gradients(scale, softcap),
+                                      lambda t: t.key_gradients(dk_psum, dv_psum), lambda t: t.query_gradient(keys),
+                                      lambda t: t.add_query_gradient()):
+                            for side in group_sides:
+                                phase(side)
+                    for j, (c0, kr) in enumerate(_tiles(kc, P)):
+                        block = (k0 + c0) // P
+                        if any(side.seen.sees(k0, kc) for side in rows_of):
+                            nisa.tensor_tensor(dst=dk_acc[block], data1=dk_acc[block], data2=dk_psum[j], op=nl.add)
+                            nisa.tensor_tensor(dst=dv_acc[block], data1=dv_acc[block], data2=dv_psum[j], op=nl.add)
+                    del keys, dk_psum, dv_psum
+                for side in rows_of:
+                    side.store_dq(dq, scale if not softcap else 1.0)
+                del rows_of
+            for block, (k0, kr) in enumerate(key_blocks):
+                dk_tile = nl.ndarray((kr, d), k.dtype, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=dk_tile, data=dk_acc[block], op0=nl.multiply,
+                                   operand0=scale if not softcap else 1.0)
+                nisa.dma_copy(dst=dk[b, g, k0:k0 + kr, :], src=dk_tile)
+                dv_tile = nl.ndarray((kr, d), v.dtype, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=dv_tile, src=dv_acc[block])
+                nisa.dma_copy(dst=dv[b, g, k0:k0 + kr, :], src=dv_tile)
+            del dk_acc, dv_acc
+    return dq, dk, dv
+
+
+def _zeros(shape):
+    tile = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=tile, value=0.0)
+    return tile
+
+
+class _KeySide(nl.NKIObject):
+    """One key tile: K^T and V^T (D on partitions) for S and dP, K in 128-key blocks for dQ."""
+
+    def __init__(self, k, v, b, g, k0, kc):
+        self.k0, self.kc = k0, kc
+        self.k_t, self.k_rows = _transposed_blocks(k[b, g, k0:k0 + kc, :], kc, k.shape[3], k.dtype, keep_rows=True)
+        self.v_t = _transposed_blocks(v[b, g, k0:k0 + kc, :], kc, v.shape[3], v.dtype)
+
+
+class _QuerySide(nl.NKIObject):
+    """One 128-query tile of one head, resident for the whole backward of that head."""
+
+    def __init__(self, q, out, dout, lse, b, h, seen):
+        self.b, self.h, self.seen = b, h, seen
+        rows, d = seen.rows, q.shape[3]
+        q0 = seen.q0
+        self.rows, self.d, self.dtype = rows, d, q.dtype
+        self.q_t, (self.q_rows,) = _transposed_blocks(q[b, h, q0:q0 + rows, :], rows, d, q.dtype, keep_rows=True)
+        self.do_t, (self.do_rows,) = _transposed_blocks(dout[b, h, q0:q0 + rows, :], rows, d, dout.dtype,
+                                                        keep_rows=True)
+        self.neg_lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.neg_lse, src=lse[b, h, q0:q0 + rows].reshape((rows, 1)))
+        nisa.tensor_scalar(dst=self.neg_lse, data=self.neg_lse, op0=nl.multiply, operand0=-1.0)
+        o_rows = nl.ndarray((rows, d), out.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=o_rows, src=out[b, h, q0:q0 + rows, :])
+        products = nl.ndarray((rows, d), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=products, data1=o_rows, data2=self.do_rows, op=nl.multiply)
+        self.delta = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=self.delta, op=nl.add, data=products, axis=1)
+        self.dq_acc = _zeros((rows, d))
+        self.scores = self.dprobs = self.probs = self.tanh = self.dscores = self.ds_t_psum = self.dq_psum = None
+
+    def products(self, keys):
+        """S = Q K^T and dP = dO V^T for this key tile, on TensorE."""
+        rows, kc = self.rows, keys.kc
+        self.scores = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
+        for q_block, k_block in zip(self.q_t, keys.k_t):
+            nisa.nc_matmul(dst=self.scores, stationary=q_block, moving=k_block)
+        self.dprobs = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
+        for do_block, v_block in zip(self.do_t, keys.v_t):
+            nisa.nc_matmul(dst=self.dprobs, stationary=do_block, moving=v_block)
+
+    def probabilities(self, keys, bias, scale, softcap, exp_scale):
+        """P = exp(logits - lse), masked where the tile crosses a mask edge."""
+        rows, k0, kc = self.rows, keys.k0, keys.kc
+        t = self.scores
+        if softcap:
+            capped = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=capped, op=nl.tanh, data=t, scale=scale / softcap)
+            t = capped
+        self.tanh = t
+        logits = t
+        if bias is not None:
+            bias_tile = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            q0 = self.seen.q0
+            nisa.dma_copy(dst=bias_tile, src=bias[min(self.b, bias.shape[0] - 1), min(self.h, bias.shape[1] - 1),
+                                                  q0:q0 + rows, k0:k0 + kc])
+            biased = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=biased, data=bias_tile, op0=nl.multiply, operand0=1.0 / exp_scale,
+                                      op1=nl.add, operand1=t)
+            logits = biased
+        if self.seen.masks(k0, kc):
+            lower, upper = self.seen.bounds()
+            masked = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.range_select(dst=masked, on_true_tile=logits, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
+                              bound0=lower, bound1=upper, range_start=k0)
+            logits = masked
+        self.probs = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=self.probs, op=nl.exp, data=logits, bias=self.neg_lse, scale=exp_scale)
+        self.scores = None
+
+    def score_gradients(self, scale, softcap):
+        """dS = P * (dP - delta) (times the softcap's tanh derivative)."""
+        rows, kc = self.rows, self.probs.shape[1]
+        dscores = nl.ndarray((rows, kc), self.dtype if not softcap else nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=dscores, data=self.dprobs, op0=nl.subtract, operand0=self.delta,
+                                  op1=nl.multiply, operand1=self.probs)
+        if softcap:
+            # d(cap * tanh(u)) / du = cap * (1 - tanh^2) with u = scale * s / cap: ds = dL * scale * (1 - t^2)
+            one_minus = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=one_minus, data1=self.tanh, data2=self.tanh, op=nl.multiply)
+            nisa.tensor_scalar(dst=one_minus, data=one_minus, op0=nl.multiply, operand0=-scale, op1=nl.add,
+                               operand1=scale)
+            scaled = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=scaled, data1=dscores, data2=one_minus, op=nl.multiply)
+            dscores = scaled
+        self.dscores, self.dprobs, self.tanh = dscores, None, None
+
+    def key_gradients(self, dk_psum, dv_psum):
+        """dV += P^T dO and dK += dS^T Q (P and dS are query-major already); dS^T for dQ."""
+        kc = self.probs.shape[1]
+        self.ds_t_psum = []
+        for j, (c0, cr) in enumerate(_tiles(kc, P)):
+            nisa.nc_matmul(dst=dv_psum[j], stationary=self.probs[:, c0:c0 + cr], moving=self.do_rows)
+            nisa.nc_matmul(dst=dk_psum[j], stationary=self.dscores[:, c0:c0 + cr], moving=self.q_rows)
+            flipped = nl.ndarray((cr, self.rows), self.dscores.dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=flipped, data=self.dscores[:, c0:c0 + cr])
+            self.ds_t_psum.append(flipped)
+        self.probs = None
+
+    def query_gradient(self, keys):
+        """dQ += dS K, the transposed dS evicted by ScalarE."""
+        dq_psum = nl.ndarray((self.rows, self.d), nl.float32, buffer=nl.psum)
+        for j, flipped in enumerate(self.ds_t_psum):
+            ds_t = nl.ndarray(flipped.shape, flipped.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=ds_t, op=nl.copy, data=flipped)
+            nisa.nc_matmul(dst=dq_psum, stationary=ds_t, moving=keys.k_rows[j])
+        self.dq_psum, self.ds_t_psum, self.dscores = dq_psum, None, None
+
+    def add_query_gradient(self):
+        nisa.tensor_tensor(dst=self.dq_acc, data1=self.dq_acc, data2=self.dq_psum, op=nl.add)
+        self.dq_psum = None
+
+    def store_dq(self, dq, factor):
+        result = nl.ndarray((self.rows, self.d), self.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=result, data=self.dq_acc, op0=nl.multiply, operand0=factor)
+        q0 = self.seen.q0
+        nisa.dma_copy(dst=dq[self.b, self.h, q0:q0 + self.rows, :], src=result)

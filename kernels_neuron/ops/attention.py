@@ -1,0 +1,349 @@
+"""Flash attention as torch ops backed by the NKI kernel, with autograd, and its pure-torch reference.
+
+- ``flash_attention(q, k, v, *, attention_mask, scale, causal, window, softcap)``: q ``[B, H, Sq, D]``,
+  k/v ``[B, Hkv, Sk, D]`` (grouped-query attention when ``Hkv < H``), returns ``[B, H, Sq, D]``.
+- ``flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: packed
+  sequences ``[total, H, D]``, each attending only within itself.
+- ``attention_reference(...)``: the same semantics in plain torch (tests, and the explicit fallback);
+  ``attention_backward_reference(...)``: the backward with the NKI backward kernel's signature.
+
+Semantics are ``torch.nn.functional.scaled_dot_product_attention`` plus: causal masking aligned as
+transformers aligns it when ``Sq < Sk`` (a KV cache: the last query sees the last key), a sliding
+window (query ``i`` sees keys ``j`` with ``i + Sk - Sq - window < j``), logit softcapping
+(``softcap * tanh(logits / softcap)``, before the mask is added), and a query row that can see no
+key gives zeros (not NaN).
+
+>>> import torch
+>>> from kernels_neuron.ops.attention import flash_attention, attention_reference
+>>> q, k, v = torch.randn(1, 4, 10, 64), torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 64)
+>>> torch.allclose(flash_attention(q, k, v, causal=True), attention_reference(q, k, v, causal=True), atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._backend import SUPPORTED_FLOAT_DTYPES, check_float_tensor, define_op, nki_source, op_namespace, run_kernel
+
+_kernels = nki_source(__package__, "attention")
+MAX_HEAD_DIM = _kernels.MAX_HEAD_DIM
+MASKED_LOGIT = -1.0e30  # the kernel's floor for the running max: rows below it have seen no key
+_NS = op_namespace(__name__)
+
+
+# --- validation -----------------------------------------------------------------------------------------
+
+def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{op}: q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"{op}: q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    dims = len(layout.split(","))
+    if q.dim() != dims or k.dim() != dims or v.dim() != dims:
+        raise ValueError(f"{op}: q, k, v must be {dims}-D [{layout}], got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.numel() == 0 or k.numel() == 0:
+        raise ValueError(f"{op}: empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    head_dim, heads, kv_heads = q.shape[-1], q.shape[1], k.shape[1]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"{op}: q has head_dim {head_dim} but k and v have {k.shape[-1]}")
+    if dims == 4 and k.shape[0] != q.shape[0]:
+        raise ValueError(f"{op}: q has batch {q.shape[0]} but k and v have {k.shape[0]}")
+    if heads % kv_heads:
+        raise ValueError(f"{op}: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head_dim {head_dim} is above the kernel's limit of {MAX_HEAD_DIM}")
+
+
+def _check_options(op: str, scale, window, softcap, dropout) -> None:
+    if dropout:
+        raise ValueError(f"{op}: dropout is not supported (got dropout={dropout}); use dropout=0.0")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{op}: scale must be a positive finite number or None, got {scale!r}")
+    if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
+        raise ValueError(f"{op}: window must be None or a non-negative int (keys per query), got {window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"{op}: softcap must be None or a non-negative number, got {softcap!r}")
+
+
+def mask_to_bias(op: str, mask: Optional[torch.Tensor], shape: tuple[int, int, int, int],
+                 device: torch.device) -> Optional[torch.Tensor]:
+    """An attention mask (bool keep-mask, or additive float) broadcastable to ``[B, H, Sq, Sk]`` as the
+    kernel's additive fp32 bias ``[B or 1, H or 1, Sq, Sk]`` (-inf where a bool mask is False)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{op}: attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    target = "[" + ", ".join(map(str, shape)) + "]"
+    if mask.dim() > 4 or any(m not in (1, t) for m, t in zip(mask.shape[::-1], shape[::-1])):
+        raise ValueError(f"{op}: attention_mask of shape {tuple(mask.shape)} does not broadcast to "
+                         f"[B, H, Sq, Sk] = {target}")
+    if mask.device != device:
+        raise ValueError(f"{op}: attention_mask is on {mask.device} but q is on {device}")
+    if mask.dtype == torch.bool:
+        bias = torch.full(mask.shape, float("-inf"), dtype=torch.float32, device=device).masked_fill(mask, 0.0)
+    elif mask.dtype.is_floating_point:
+        if mask.requires_grad:
+            raise ValueError(f"{op}: a float attention_mask that requires grad is not supported "
+                             "(the kernel gives no gradient for the bias)")
+        bias = mask.to(torch.float32)
+    else:
+        raise TypeError(f"{op}: attention_mask must be bool (True keeps) or float (additive), got {mask.dtype}")
+    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    return bias.expand(bias.shape[0], bias.shape[1], shape[2], shape[3]).contiguous()
+
+
+def check_cu_seqlens(op: str, name: str, cu_seqlens: torch.Tensor, total: int) -> list[int]:
+    """``cu_seqlens`` must be 1-D int, start at 0, strictly increase and end at the token count."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
+        raise ValueError(f"{op}: {name} must be a 1-D int32/int64 tensor of at least 2 offsets, got "
+                         f"shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    if offsets[0] != 0:
+        raise ValueError(f"{op}: {name} must start at 0, got {offsets[0]}")
+    if any(b <= a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{op}: {name} must be strictly increasing (no empty sequences), got {offsets}")
+    if offsets[-1] != total:
+        raise ValueError(f"{op}: {name} ends at {offsets[-1]} but there are {total} tokens")
+    return offsets
+
+
+# --- the custom ops -------------------------------------------------------------------------------------
+
+def _segments(cu_seqlens: Optional[torch.Tensor]):
+    if cu_seqlens is None:
+        return None
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    return tuple(zip(offsets[:-1], offsets[1:]))
+
+
+def _validate_op(q, k, v, bias, cu_seqlens) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor("flash_attn_fwd", name, t)
+    if bias is not None:
+        check_float_tensor("flash_attn_fwd", "bias", bias)
+        if bias.dtype != torch.float32:
+            raise TypeError(f"flash_attn_fwd: bias must be float32, got {bias.dtype}")
+    _kernels.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape), None if bias is None else tuple(bias.shape))
+    if cu_seqlens is not None and (q.shape[0] != 1 or q.shape[2] != k.shape[2]):
+        raise ValueError(f"flash_attn_fwd: packed sequences need batch 1 and as many queries as keys, got q "
+                         f"{tuple(q.shape)} and k {tuple(k.shape)}")
+
+
+@define_op(f"{_NS}::flash_attn_fwd")
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor], scale: float,
+                   causal: bool, window: int, softcap: float,
+                   cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, H, Sq, D] forward: (out in q's dtype, lse [B, H, Sq] fp32)."""
+    _validate_op(q, k, v, bias, cu_seqlens)
+    return run_kernel(_kernels.flash_attn_fwd, q, k, v, bias, float(scale), bool(causal), int(window),
+                      float(softcap), _segments(cu_seqlens))
+
+
+@flash_attn_fwd.register_fake
+def _(q, k, v, bias, scale, causal, window, softcap, cu_seqlens):
+    _validate_op(q, k, v, bias, cu_seqlens)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@define_op(f"{_NS}::flash_attn_bwd")
+def flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, bias: Optional[torch.Tensor], scale: float, causal: bool, window: int,
+                   softcap: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: (dq, dk, dv), dk/dv per KV head (summed over the query heads of each group)."""
+    dq, dk, dv = run_kernel(_kernels.flash_attn_bwd, q, k, v, out, grad_out.contiguous(), lse, bias, float(scale),
+                            bool(causal), int(window), float(softcap), _segments(cu_seqlens))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@flash_attn_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, bias, scale, causal, window, softcap, cu_seqlens):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, scale, causal, window, softcap, cu_seqlens = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, bias, cu_seqlens)
+    ctx.options = (scale, causal, window, softcap)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, bias, cu_seqlens = ctx.saved_tensors
+    scale, causal, window, softcap = ctx.options
+    dq, dk, dv = flash_attn_bwd(grad_out, q, k, v, out, lse, bias, scale, causal, window, softcap, cu_seqlens)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+torch.library.register_autograd(f"{_NS}::flash_attn_fwd", _backward, setup_context=_setup_context)
+
+
+# --- public functions -----------------------------------------------------------------------------------
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
+                    scale: Optional[float] = None, causal: bool = False, window: Optional[int] = None,
+                    softcap: Optional[float] = None, dropout: float = 0.0, return_lse: bool = False):
+    """Attention with the NKI kernel. q ``[B, H, Sq, D]``, k/v ``[B, Hkv, Sk, D]`` -> ``[B, H, Sq, D]``.
+
+    Args:
+        attention_mask: None, a bool keep-mask (True attends) or an additive float mask, broadcastable
+            to ``[B, H, Sq, Sk]``.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        causal: query ``i`` sees keys ``j <= i + Sk - Sq`` (the last query sees the last key).
+        window: None/0, or sliding-window size: query ``i`` sees keys ``j > i + Sk - Sq - window``.
+        softcap: None/0, or ``c`` for logits ``c * tanh(logits / c)``.
+        dropout: must be 0.0 (the kernel has no dropout).
+        return_lse: also return the log-sum-exp of each row's logits, ``[B, H, Sq]`` fp32 (no gradient).
+    """
+    op = "flash_attention"
+    _check_qkv(op, q, k, v, "B, H, S, D")
+    _check_options(op, scale, window, softcap, dropout)
+    batch, heads, sq, d = q.shape
+    bias = mask_to_bias(op, attention_mask, (batch, heads, sq, k.shape[2]), q.device)
+    out, lse = flash_attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), bias,
+                              float(scale) if scale is not None else d ** -0.5, bool(causal), int(window or 0),
+                              float(softcap or 0.0), None)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                      scale: Optional[float] = None, causal: bool = False, window: Optional[int] = None,
+                      softcap: Optional[float] = None, dropout: float = 0.0, return_lse: bool = False):
+    """Packed variable-length sequences: q ``[total, H, D]``, k/v ``[total, Hkv, D]`` -> ``[total, H, D]``.
+
+    Token ranges ``cu_seqlens[i]:cu_seqlens[i + 1]`` are sequences that attend only within themselves
+    (causal and window apply within each). For now the query and key sequences must be the same
+    (``cu_seqlens_q`` equal to ``cu_seqlens_k``). ``return_lse`` also returns the lse, ``[H, total]``.
+    """
+    op = "flash_attn_varlen"
+    _check_qkv(op, q, k, v, "total, H, D")
+    _check_options(op, scale, window, softcap, dropout)
+    offsets_q = check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    offsets_k = check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    if offsets_q != offsets_k:
+        raise ValueError(f"{op}: the query sequences {offsets_q} differ from the key sequences {offsets_k}; "
+                         "only equal query and key sequence lengths (cu_seqlens_q == cu_seqlens_k) are supported for now")
+    longest = max(b - a for a, b in zip(offsets_q, offsets_q[1:]))
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if int(value) < longest:
+            raise ValueError(f"{op}: {name}={int(value)} is shorter than the longest sequence ({longest})")
+    if cu_seqlens_q.device != q.device:
+        raise ValueError(f"{op}: cu_seqlens_q is on {cu_seqlens_q.device} but q is on {q.device}")
+    d = q.shape[-1]
+    packed = [x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v)]  # [1, H, total, D]
+    out, lse = flash_attn_fwd(*packed, None, float(scale) if scale is not None else d ** -0.5, bool(causal),
+                              int(window or 0), float(softcap or 0.0), cu_seqlens_q.to(torch.int32))
+    out = out.squeeze(0).transpose(0, 1).contiguous()
+    return (out, lse.squeeze(0)) if return_lse else out
+
+
+# --- pure-torch references ------------------------------------------------------------------------------
+
+def _visible(sq: int, sk: int, causal: bool, window: Optional[int], segments, device) -> torch.Tensor:
+    """[Sq, Sk] bool: which keys each query may see (before any mask/bias)."""
+    offset = 0 if segments is not None else sk - sq
+    i = torch.arange(sq, device=device)[:, None] + offset
+    j = torch.arange(sk, device=device)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        keep &= j <= i
+    if window:
+        keep &= j > i - window
+    if segments is not None:
+        ids = torch.zeros(sk, dtype=torch.long, device=device)
+        for n, (start, end) in enumerate(segments):
+            ids[start:end] = n
+        keep &= ids[:, None] == ids[None, :]
+    return keep
+
+
+def _logits(q, k, scale, softcap):
+    """Scaled (and softcapped) logits with K repeated per query-head group: [B, H, Sq, Sk]."""
+    group = q.shape[1] // k.shape[1]
+    s = torch.matmul(q, k.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    return s
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        attention_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                        causal: bool = False, window: Optional[int] = None, softcap: Optional[float] = None,
+                        dropout: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None,
+                        return_lse: bool = False):
+    """Pure torch, the semantics of ``flash_attention`` (``[B, H, Sq, D]`` layout).
+
+    Matmuls run in the inputs' dtype and the softmax in fp32, as transformers' eager attention does,
+    so calling it on fp32 copies gives the exact answer and on bf16 inputs torch's own bf16 math.
+    ``cu_seqlens`` (with B = 1 and Sq = Sk) restricts attention to packed sequences. A query row that
+    sees no key (every logit -inf or below -1e30) gives zeros, and its lse is -inf. ``dropout`` (training only) follows sdpa.
+    """
+    sq, sk = q.shape[2], k.shape[2]
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    segments = _segments(cu_seqlens)
+    logits = _logits(q, k, scale, softcap).float()
+    if attention_mask is not None:
+        logits = logits.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+            else logits + attention_mask.float()
+    logits = logits.masked_fill(~_visible(sq, sk, causal, window, segments, q.device), float("-inf"))
+    # As in the kernel, a row whose every logit is at or below -1e30 (-inf, or a float mask's
+    # finfo.min) has seen no key.
+    empty = logits.amax(dim=-1, keepdim=True) <= MASKED_LOGIT
+    probs = torch.softmax(logits.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if dropout:
+        probs = torch.nn.functional.dropout(probs, p=dropout)
+    group = q.shape[1] // k.shape[1]
+    out = torch.matmul(probs.to(v.dtype), v.repeat_interleave(group, dim=1))
+    if return_lse:
+        return out, torch.logsumexp(logits, dim=-1)
+    return out
+
+
+def attention_backward_reference(q, k, v, out, grad_out, lse, bias, scale, causal, window, softcap, segments):
+    """Pure torch, the NKI backward kernel's signature and result: (dq, dk, dv), dk/dv summed per KV head.
+
+    Uses the forward's ``lse`` (fp32) to rebuild the probabilities, as a flash backward does; all math
+    in fp32, results in the inputs' dtypes.
+    """
+    f32 = [t.float() for t in (q, k, v, out, grad_out)]
+    qf, kf, vf, of, gf = f32
+    batch, heads, sq, d = q.shape
+    kv_heads, sk = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    raw = torch.matmul(qf, kf.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+    capped = torch.tanh(raw / softcap) if softcap else None
+    logits = softcap * capped if softcap else raw
+    if bias is not None:
+        logits = logits + bias.float()
+    logits = logits.masked_fill(~_visible(sq, sk, causal, window, segments, q.device), float("-inf"))
+    probs = torch.exp(logits - lse.float().clamp(min=MASKED_LOGIT)[..., None])
+    dv = torch.matmul(probs.transpose(-1, -2), gf)
+    dprobs = torch.matmul(gf, vf.repeat_interleave(group, dim=1).transpose(-1, -2))
+    dlogits = probs * (dprobs - (gf * of).sum(-1, keepdim=True))
+    if softcap:
+        dlogits = dlogits * (1.0 - capped * capped)
+    dq = torch.matmul(dlogits, kf.repeat_interleave(group, dim=1)) * scale
+    dk = torch.matmul(dlogits.transpose(-1, -2), qf) * scale
+
+    def per_kv_head(x):
+        return x.reshape(batch, kv_heads, group, sk, d).sum(dim=2)
+
+    return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+
+
+__all__ = ["MAX_HEAD_DIM", "attention_backward_reference", "attention_reference", "flash_attention",
+           "flash_attn_bwd", "flash_attn_fwd", "flash_attn_varlen", "mask_to_bias"]

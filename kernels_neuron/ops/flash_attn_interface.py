@@ -1,0 +1,257 @@
+"""transformers' attention-function contract and the FlashAttention-2 functional API on the NKI kernel.
+
+- ``flash_attn_forward`` + ``supports_flash_attn``: the attention function transformers registers for a
+  kernel repo (``attn_implementation="org/repo"``) or that ``AttentionInterface.register`` takes, with
+  sdpa-style masks: ``(module, query [B, H, Sq, D], key [B, Hkv, Sk, D], value, attention_mask,
+  dropout, scaling, is_causal, **kwargs) -> (out [B, Sq, H, D], None)``.
+- ``flash_attn_func`` / ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``: FlashAttention-2's
+  functions (``[B, S, H, D]`` and packed ``[total, H, D]`` layouts), which transformers' flash-attention
+  path calls (with unpadding, ``cu_seqlens`` and ``window_size``) when a repo exports them.
+
+Causal masks are aligned bottom-right when there are more keys than queries (the last query sees the
+last key), as in FlashAttention >= 2.1 and transformers. FA2's ``window_size=(left, right)`` counts keys
+left of the query, so it is the kernel's window ``left + 1``; a right window needs ``causal=True``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Union
+
+import torch
+
+from .attention import MAX_HEAD_DIM, flash_attention, flash_attn_varlen
+
+_OP = "flash_attn_forward"
+
+
+# --- transformers' attention function -------------------------------------------------------------------
+
+def unsupported_reasons(module: Optional[torch.nn.Module] = None, training: bool = False) -> list[str]:
+    """Why the kernel cannot serve this transformers attention module (empty when it can)."""
+    if module is None:
+        return []
+    reasons = []
+    config = getattr(module, "config", None)
+    head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
+    if head_dim is not None and head_dim > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {head_dim} is above the kernel's limit of {MAX_HEAD_DIM}")
+    v_head_dim = getattr(module, "v_head_dim", None)
+    qk_head_dim = getattr(module, "qk_head_dim", head_dim)
+    if v_head_dim is not None and qk_head_dim is not None and v_head_dim != qk_head_dim:
+        reasons.append(f"value head dim {v_head_dim} differs from the query/key head dim {qk_head_dim}")
+    if getattr(module, "sinks", None) is not None:
+        reasons.append("attention sinks (s_aux) are not supported")
+    if training:
+        dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+        if dropout > 0:
+            reasons.append(f"attention dropout {dropout} in training: the kernel has no dropout")
+    return reasons
+
+
+def supports_flash_attn(module: Optional[torch.nn.Module] = None, training: bool = False) -> bool:
+    """Whether ``flash_attn_forward`` can serve ``module`` (transformers only checks that this exists)."""
+    return not unsupported_reasons(module, training)
+
+
+def flash_attn_forward(module: Optional[torch.nn.Module], query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                       scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract, with the masks of ``masking_utils.sdpa_mask``.
+
+    ``attention_mask`` is None or a bool keep-mask (or additive float mask) broadcastable to
+    ``[B, H, Sq, Sk]``. A mask already holds causality, the sliding window and padding; None means
+    "causal (for more than one query) and nothing else", exactly as for transformers' sdpa function:
+    then ``sliding_window`` (from kwargs, else ``module.sliding_window``) applies too, and keys beyond
+    the queries of an empty static cache are dropped. ``softcap`` is taken from kwargs, where
+    transformers passes it (Gemma2's ``attn_logit_softcapping``); a module attribute transformers does
+    not pass (Gemma3's) is ignored, as transformers ignores it.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{_OP}: attention sinks (s_aux) are not supported")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"{_OP}: a position_bias is not supported")
+    if kwargs.get("cache") is not None:
+        raise ValueError(f"{_OP}: a paged (continuous-batching) cache is not supported here")
+    if kwargs.get("output_attentions", False):
+        warnings.warn(f"{_OP}: attention weights are not returned (output_attentions=True is ignored)",
+                      stacklevel=2)
+    softcap = kwargs.get("softcap")
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    sq, sk = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = bool(is_causal) and sq > 1
+        if causal and sk > sq:  # prefill into an empty static cache: sdpa's top-left causal mask
+            key, value = key[:, :, :sq], value[:, :, :sq]
+        window = int(window) if causal and window else None
+    else:
+        causal, window = False, None  # the mask has it all
+    out = flash_attention(query, key, value, attention_mask=attention_mask, scale=scaling, causal=causal,
+                          window=window, softcap=softcap, dropout=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# --- FlashAttention-2's functions -----------------------------------------------------------------------
+
+def _window(window_size, causal: bool, op: str) -> Optional[int]:
+    """FA2's ``(left, right)`` window (-1 = unbounded) as the kernel's window (keys per query)."""
+    left, right = (int(x) for x in window_size)
+    if right >= 0 and not causal:
+        raise ValueError(f"{op}: a right window (window_size={tuple(window_size)}) is only supported with "
+                         "causal=True; the kernel bounds keys on the left only")
+    return left + 1 if left >= 0 else None
+
+
+def _unsupported(op: str, **options) -> None:
+    for name, value in options.items():
+        if value is not None:
+            raise ValueError(f"{op}: {name} is not supported")
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
+                    softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
+                    return_attn_probs: bool = False, s_aux: Optional[torch.Tensor] = None):
+    """FA2 ``flash_attn_func``: q ``[B, Sq, H, D]``, k/v ``[B, Sk, Hkv, D]`` -> ``[B, Sq, H, D]``.
+
+    With ``return_attn_probs`` returns ``(out, softmax_lse [B, H, Sq], None)``.
+    """
+    op = "flash_attn_func"
+    _unsupported(op, alibi_slopes=alibi_slopes, s_aux=s_aux)
+    out, lse = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale,
+                               causal=causal, window=_window(window_size, causal, op), softcap=softcap or None,
+                               dropout=dropout_p, return_lse=True)
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
+                           softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                           deterministic: bool = False, return_attn_probs: bool = False,
+                           s_aux: Optional[torch.Tensor] = None):
+    """FA2 ``flash_attn_varlen_func``: packed q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]``.
+
+    When the query and key sequences have the same lengths (prefill, packed training) the kernel runs
+    once over all of them; otherwise (decoding or chunked prefill of a padded batch) once per sequence,
+    with the causal mask aligned bottom-right. Empty sequences are allowed here (a fully padded row).
+    With ``return_attn_probs`` returns ``(out, softmax_lse [H, total_q], None)``.
+    """
+    op = "flash_attn_varlen_func"
+    _unsupported(op, alibi_slopes=alibi_slopes, s_aux=s_aux)
+    window = _window(window_size, causal, op)
+    offsets_q, offsets_k = _offsets(cu_seqlens_q), _offsets(cu_seqlens_k)
+    if len(offsets_q) != len(offsets_k):
+        raise ValueError(f"{op}: cu_seqlens_q has {len(offsets_q) - 1} sequences but cu_seqlens_k has "
+                         f"{len(offsets_k) - 1}")
+    options = dict(scale=softmax_scale, causal=causal, window=window, softcap=softcap or None, dropout=dropout_p)
+    if offsets_q == offsets_k:
+        kept = [offsets_q[0]] + [b for a, b in zip(offsets_q, offsets_q[1:]) if b > a]  # drop empty sequences
+        cu = torch.tensor(kept, dtype=torch.int32, device=cu_seqlens_q.device)
+        out, lse = flash_attn_varlen(q, k, v, cu, cu, max_seqlen_q, max_seqlen_k, return_lse=True, **options)
+    else:
+        outs, lses = [], []
+        for (q0, q1), (k0, k1) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
+            if q1 == q0:
+                continue
+            if k1 == k0:  # no key at all: zeros, as for any row that sees no key
+                outs.append(q.new_zeros((q1 - q0,) + tuple(q.shape[1:])))
+                lses.append(q.new_full((q.shape[1], q1 - q0), float("-inf"), dtype=torch.float32))
+                continue
+            o, l = flash_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k[k0:k1], v[k0:k1])),
+                                   return_lse=True, **options)
+            outs.append(o.squeeze(0).transpose(0, 1))
+            lses.append(l.squeeze(0))
+        out, lse = torch.cat(outs).contiguous(), torch.cat(lses, dim=1)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _cache_positions(k_cache: torch.Tensor, block_table: Optional[torch.Tensor], b: int,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache row, slot) of logical positions of sequence ``b``: a paged cache maps them through ``block_table``."""
+    if block_table is None:
+        return torch.full_like(positions, b), positions
+    block_size = k_cache.shape[1]
+    return block_table[b].long()[positions // block_size], positions % block_size
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                            rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
+                            cache_seqlens: Union[int, torch.Tensor, None] = None,
+                            cache_batch_idx: Optional[torch.Tensor] = None,
+                            cache_leftpad: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
+                            softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
+                            softcap: float = 0.0, rotary_interleaved: bool = True,
+                            alibi_slopes: Optional[torch.Tensor] = None, num_splits: int = 0,
+                            return_softmax_lse: bool = False, s_aux: Optional[torch.Tensor] = None):
+    """FA2 ``flash_attn_with_kvcache``: q ``[B, Sq, H, D]`` against a KV cache, ``[B, S_cache, Hkv, D]``
+    or paged ``[blocks, block_size, Hkv, D]`` with ``block_table [B, max_blocks]``.
+
+    ``k``/``v`` ``[B, S_new, Hkv, D]``, when given, are written into the cache (in place) after the
+    ``cache_seqlens`` tokens already there, and attended to. Sequence ``b`` then attends to its first
+    ``cache_seqlens[b] (+ S_new)`` cached keys, causally aligned bottom-right. With
+    ``return_softmax_lse`` returns ``(out, softmax_lse [B, H, Sq])``.
+    """
+    op = "flash_attn_with_kvcache"
+    _unsupported(op, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                 cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes, s_aux=s_aux)
+    if (k is None) != (v is None):
+        raise ValueError(f"{op}: give both k and v, or neither")
+    batch, sq = q.shape[0], q.shape[1]
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError(f"{op}: cache_seqlens is needed to append k and v to the cache")
+        lengths = [capacity] * batch
+    elif isinstance(cache_seqlens, int):
+        lengths = [cache_seqlens] * batch
+    else:
+        lengths = [int(x) for x in cache_seqlens.reshape(-1).tolist()]
+        if len(lengths) != batch:
+            raise ValueError(f"{op}: cache_seqlens has {len(lengths)} entries for a batch of {batch}")
+    new = 0 if k is None else k.shape[1]
+    if any(length + new > capacity or length < 0 for length in lengths):
+        raise ValueError(f"{op}: cache_seqlens {lengths} plus {new} new tokens do not fit the cache of {capacity}")
+    window = _window(window_size, causal, op)
+    options = dict(scale=softmax_scale, causal=causal, window=window, softcap=softcap or None)
+    keys, values = [], []
+    for b, length in enumerate(lengths):
+        if k is not None:
+            rows, slots = _cache_positions(k_cache, block_table, b,
+                                           torch.arange(length, length + new, device=k_cache.device))
+            k_cache[rows, slots] = k[b].to(k_cache.dtype)
+            v_cache[rows, slots] = v[b].to(v_cache.dtype)
+        rows, slots = _cache_positions(k_cache, block_table, b, torch.arange(length + new, device=k_cache.device))
+        keys.append(k_cache[rows, slots])
+        values.append(v_cache[rows, slots])
+    query = q.transpose(1, 2)
+    if len({len(x) for x in keys}) == 1 and keys[0].shape[0] > 0:  # one launch for the whole batch
+        out, lse = flash_attention(query, torch.stack(keys).transpose(1, 2), torch.stack(values).transpose(1, 2),
+                                   return_lse=True, **options)
+    else:
+        outs, lses = [], []
+        for b in range(batch):
+            if keys[b].shape[0] == 0:
+                outs.append(query.new_zeros((1,) + tuple(query.shape[1:])))
+                lses.append(query.new_full((1, query.shape[1], sq), float("-inf"), dtype=torch.float32))
+                continue
+            o, l = flash_attention(query[b:b + 1], keys[b].transpose(0, 1).unsqueeze(0),
+                                   values[b].transpose(0, 1).unsqueeze(0), return_lse=True, **options)
+            outs.append(o)
+            lses.append(l)
+        out, lse = torch.cat(outs), torch.cat(lses)
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse) if return_softmax_lse else out
+
+
+__all__ = ["flash_attn_forward", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "supports_flash_attn", "unsupported_reasons"]
