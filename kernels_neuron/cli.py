@@ -154,17 +154,23 @@ def _list(args: argparse.Namespace) -> int:
     problems = hub.stale()
     table = Table(title=f"registry.toml (Hub org {reg.org})")
     for column in ("layer name", "repo", "kernel layer", "modes", "replaces", "constraints", "build"):
-        table.add_column(column, overflow="fold")
-    for layer in reg.layers:
+        table.add_column(column, overflow="fold", no_wrap=column in ("layer name", "repo", "build"))
+    def status(repo: str) -> str:
         # A kernel repo's torch-cpu variant loads the simulator from nki-sim: its staleness counts too.
-        prefixes = tuple(f"{repo}/" for repo in {layer.repo, "nki-sim"})
-        repo_stale = [p for p in problems if p[2:].startswith(prefixes)]
-        built = (hub.BUILD_DIR / layer.repo).is_dir()
-        status = "[red]missing[/]" if not built else "[yellow]stale[/]" if repo_stale else "[green]up to date[/]"
+        prefixes = tuple(f"{name}/" for name in {repo, "nki-sim"})
+        if not (hub.BUILD_DIR / repo).is_dir():
+            return "[red]missing[/]"
+        return "[yellow]stale[/]" if any(p[2:].startswith(prefixes) for p in problems) else "[green]up to date[/]"
+
+    for layer in reg.layers:
         replaces = ", ".join(layer.classes) if layer.classes else f"classes tagged {layer.name!r}"
         constraints = ", ".join(f"{k}={v}" for k, v in layer.constraints.items())
         table.add_row(layer.name, f"{reg.repo_id(layer.repo)} v{reg.repos[layer.repo].version}", layer.layer,
-                      ", ".join(layer.modes), replaces, constraints, status)
+                      ", ".join(layer.modes), replaces, constraints, status(layer.repo))
+    for attention in reg.attention:
+        table.add_row(attention.name, f"{reg.repo_id(attention.repo)} v{reg.repos[attention.repo].version}",
+                      attention.function, ", ".join(attention.modes), "attention modules (AttentionInterface)",
+                      "per module: the function's unsupported_reasons", status(attention.repo))
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
 
