@@ -30,15 +30,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def neuron_available() -> bool:
-    """True when TorchNeuron is installed (a Trainium host)."""
-    try:
-        import torch_neuronx  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def define_op(qualname: str, mutates_args: tuple = ()) -> Callable[[Callable[..., Any]], Any]:
     """Register a typed op: through TorchNeuron's ``nki_op`` on a Trainium host, else
     ``torch.library.custom_op``. Either way the result takes ``register_fake`` and

@@ -16,7 +16,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from . import dtypes
 from .errors import NkiValidationError, SimulatorUnsupported, rule
-from .runtime import HBM_KINDS, Buffer, region_of
+from .runtime import Buffer, region_of
 from .trace import Region
 
 
@@ -536,10 +536,6 @@ def _scalar_value(x: Any) -> int:
     if hasattr(x, "value"):
         return int(x.value)
     return int(x)
-
-
-def is_hbm(t: Tensor) -> bool:
-    return t.buffer in HBM_KINDS
 
 
 def unsupported(name: str) -> Any:
