@@ -1,7 +1,7 @@
 """The microbenchmark suite: ``kernels-neuron bench`` runs these cases.
 
-Each case is a kernel on a shape from a real model, with the PyTorch op it replaces. Until the
-hub kernels land, the suite runs the calibration matmuls (``benchmarks/calibration.py``) on
+Each case is a kernel on a shape from a real model, with the PyTorch op it replaces. Beside the
+hub kernels, the suite runs the calibration matmuls (``benchmarks/calibration.py``) on
 projection shapes: ``x[tokens, hidden] @ W.T`` with ``lhs_t = x.T`` and ``rhs = W.T``.
 """
 
@@ -19,6 +19,7 @@ sim.install()  # the kernels import ``nki``: real NKI on a Trainium host, else t
 from kernels_neuron.sim.examples import tiled_matmul  # noqa: E402
 
 from nki_src.attention import flash_attn_bwd, flash_attn_fwd  # noqa: E402
+from nki_src.mlp import mlp_bwd, mlp_fwd, saved_shape  # noqa: E402
 from nki_src.rmsnorm import rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
 
 from .calibration import basic_tiled, blocked_free, fully_optimized, operands  # noqa: E402
@@ -104,7 +105,53 @@ def _attention(name: str, model: str, sq: int, sk: int, d: int = 128, window: in
     )
 
 
+def _mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+
+    def draw(*shape, scale=1.0):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
+
+    x = draw(tokens, hidden)
+    weights = (draw(inter, hidden, scale=hidden ** -0.5), draw(inter, hidden, scale=hidden ** -0.5),
+               draw(hidden, inter, scale=inter ** -0.5))
+    if not backward:
+        return (x,) + weights
+    # The saved gate/up projections are drawn, not computed by a forward run: the modelled time does
+    # not depend on the values, and a full-size forward would double the case's simulation time.
+    return (draw(tokens, hidden), x) + weights + (draw(*saved_shape(tokens, inter)),)
+
+
+def _mlp_reference(activation: str):
+    from kernels_neuron.ops.mlp import gated_mlp_reference
+
+    return lambda x, w_gate, w_up, w_down, *rest, **_: gated_mlp_reference(x, w_gate, w_up, w_down, activation)
+
+
+def _mlp(name: str, model: str, tokens: int, hidden: int, inter: int, activation: str = "silu",
+         backward: bool = False) -> Case:
+    """The fused gated MLP, simulated at the full shape (no slicing). FLOPs the standard way: the three
+    projections, 2*T*H*I each (6*T*H*I), and twice that for the backward (dx and the three weight
+    gradients); the TensorE transposes the kernel needs are not counted."""
+    module = {"silu": "LlamaMLP", "gelu_tanh": "GemmaMLP"}[activation]
+    return Case(
+        name=name, kernel=mlp_bwd if backward else mlp_fwd,
+        make_inputs=partial(_mlp_inputs, tokens, hidden, inter, backward),
+        shape={"tokens": tokens, "hidden": hidden, "intermediate": inter}, dtype="bfloat16", model=model,
+        reference_name=f"{module} {'backward (autograd)' if backward else 'forward'} (torch)",
+        reference=_mlp_reference(activation),
+        kwargs={"activation": activation} if backward else {"activation": activation, "save_gate_up": False},
+        standard_flops=(12 if backward else 6) * tokens * hidden * inter,
+    )
+
+
 CASES: list[Case] = [
+    _mlp("mlp-fwd/llama3-8b/2048-tokens", "Llama-3-8B", PREFILL_TOKENS, 4096, 14336),
+    _mlp("mlp-bwd/llama3-8b/2048-tokens", "Llama-3-8B", PREFILL_TOKENS, 4096, 14336, backward=True),
+    _mlp("mlp-fwd/llama3-8b/decode-1", "Llama-3-8B", 1, 4096, 14336),
+    _mlp("mlp-fwd/llama3-8b/decode-8", "Llama-3-8B", 8, 4096, 14336),
+    _mlp("mlp-fwd/gemma2-9b-geglu/2048-tokens", "Gemma-2-9B", PREFILL_TOKENS, 3584, 14336, activation="gelu_tanh"),
+    _mlp("mlp-bwd/gemma2-9b-geglu/2048-tokens", "Gemma-2-9B", PREFILL_TOKENS, 3584, 14336, activation="gelu_tanh",
+         backward=True),
     _attention("attention-fwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096),
     _attention("attention-fwd/llama3-8b/causal-8192", "Llama-3-8B", 8192, 8192),
     _attention("attention-bwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096, backward=True),

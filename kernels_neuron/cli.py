@@ -164,6 +164,8 @@ def _list(args: argparse.Namespace) -> int:
 
     for layer in reg.layers:
         replaces = ", ".join(layer.classes) if layer.classes else f"classes tagged {layer.name!r}"
+        if layer.discover:
+            replaces += f"; any *{layer.discover} with this structure"
         constraints = ", ".join(f"{k}={v}" for k, v in layer.constraints.items())
         table.add_row(layer.name, f"{reg.repo_id(layer.repo)} v{reg.repos[layer.repo].version}", layer.layer,
                       ", ".join(layer.modes), replaces, constraints, status(layer.repo))

@@ -17,13 +17,17 @@ constraints as ``kernelize``.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import importlib.abc
+import inspect
 import io
 import logging
 import os
 import re
 import sys
+import textwrap
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,6 +154,135 @@ def violations(layer: Layer, module: nn.Module) -> list[str]:
             problems.append(f"weight of shape {tuple(weight.shape)} is not 1-D")
         elif not bounds[0] <= size <= bounds[1]:
             problems.append(f"hidden size {size} is outside the kernel's {bounds[0]}..{bounds[1]}")
+    if "structure" in layer.constraints:
+        problems += _gated_mlp_problems(layer, module)
+    return problems
+
+
+# --- gated MLPs -----------------------------------------------------------------------------------------
+# A gated MLP is swapped only when its class's forward, read from its source, computes exactly
+# down(act(gate(x)) * up(x)): many classes named *MLP hold gate/up/down projections but add clamps,
+# multipliers, norms or dropout (FalconH1, DeepseekV4, BitNet, ...), and would silently come out wrong.
+
+_MLP_STRUCTURES = {"gated_mlp": ("gate_proj", "up_proj"), "gated_mlp_fused": ("gate_up_proj",)}
+
+
+def _symbolic(node: ast.AST, env: dict) -> Any:
+    """A hashable description of what an expression of a forward computes, or None if not understood."""
+    if isinstance(node, ast.Name):
+        return env.get(node.id)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        left, right = _symbolic(node.left, env), _symbolic(node.right, env)
+        return None if left is None or right is None else ("mul", frozenset((left, right)))
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self" and len(node.args) == 1 and not node.keywords):
+        arg = _symbolic(node.args[0], env)
+        return None if arg is None else ("call", node.func.attr, arg)
+    return None
+
+
+def _chunk_halves(node: ast.AST, env: dict) -> Any:
+    """``e.chunk(2, dim=-1)`` or ``e.chunk(2, -1)``: the symbolic ``e``, else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "chunk"):
+        return None
+    try:
+        args = [ast.literal_eval(a) for a in node.args]
+        dims = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except ValueError:
+        return None
+    if args[:1] != [2] or [*args[1:], *dims.values()] != [-1] or set(dims) - {"dim"}:
+        return None
+    return _symbolic(node.func.value, env)
+
+
+@functools.lru_cache(maxsize=None)
+def gated_mlp_form(cls: type) -> tuple[str, str] | None:
+    """(structure, activation attribute) when ``cls.forward(self, x)`` returns exactly
+    ``down_proj(act(gate_proj(x)) * up_proj(x))`` ("gated_mlp") or Phi3's ``gate, up =
+    gate_up_proj(x).chunk(2, dim=-1)`` then ``down_proj(up * act(gate))`` ("gated_mlp_fused"),
+    with ``act`` the module's ``act_fn`` or ``activation_fn``; None otherwise."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, ast.FunctionDef):
+        return None
+    args = function.args
+    if ([a.arg for a in args.args][:1] != ["self"] or len(args.args) != 2 or args.vararg or args.kwarg
+            or args.kwonlyargs or args.posonlyargs or args.defaults):
+        return None
+    env: dict = {args.args[1].arg: ("x",)}
+    result = None
+    for statement in function.body:
+        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+            continue  # docstring
+        if isinstance(statement, ast.Return) and statement.value is not None and result is None:
+            result = _symbolic(statement.value, env)
+            continue
+        if not isinstance(statement, ast.Assign) or len(statement.targets) != 1 or result is not None:
+            return None
+        target = statement.targets[0]
+        if isinstance(target, ast.Name):
+            env[target.id] = _symbolic(statement.value, env)
+        elif (isinstance(target, ast.Tuple) and len(target.elts) == 2
+              and all(isinstance(e, ast.Name) for e in target.elts)):
+            whole = _chunk_halves(statement.value, env)
+            env[target.elts[0].id] = None if whole is None else ("half", 0, whole)
+            env[target.elts[1].id] = None if whole is None else ("half", 1, whole)
+        else:
+            return None
+    x = ("x",)
+    for act in ("act_fn", "activation_fn"):
+        separate = ("mul", frozenset((("call", act, ("call", "gate_proj", x)), ("call", "up_proj", x))))
+        gate_up = ("call", "gate_up_proj", x)
+        fused = ("mul", frozenset((("call", act, ("half", 0, gate_up)), ("half", 1, gate_up))))
+        if result == ("call", "down_proj", separate):
+            return "gated_mlp", act
+        if result == ("call", "down_proj", fused):
+            return "gated_mlp_fused", act
+    return None
+
+
+def _gated_mlp_problems(layer: Layer, module: nn.Module) -> list[str]:
+    from .ops.mlp import activation_kind, describe_activation
+
+    name = type(module).__name__
+    form = gated_mlp_form(type(module))
+    wanted = layer.constraints["structure"]
+    if form is None or form[0] != wanted:
+        projections = " * ".join(f"{p}(x)" for p in _MLP_STRUCTURES.get(wanted, ()))
+        return [f"{name}.forward is not the gated MLP the kernel computes (down_proj(act({projections})))"]
+    problems = []
+    linears = layer.constraints.get("linears_without_bias", ())
+    for attribute in linears:
+        linear = getattr(module, attribute, None)
+        if type(linear) is not nn.Linear:
+            problems.append(f"{name}.{attribute} is {type(linear).__name__}, not a plain nn.Linear")
+        elif linear.bias is not None:
+            problems.append(f"{name}.{attribute} has a bias (the kernel adds none)")
+        elif not linear.weight.is_contiguous():
+            problems.append(f"{name}.{attribute}.weight is not contiguous")
+    dtypes = {str(getattr(module, a).weight.dtype).removeprefix("torch.") for a in linears
+              if type(getattr(module, a, None)) is nn.Linear}
+    if len(dtypes) > 1:
+        problems.append(f"{name}'s projections have mixed dtypes {sorted(dtypes)}")
+    present = [a for a in layer.constraints.get("activation", ()) if hasattr(module, a)]
+    if present and present[0] != form[1]:
+        problems.append(f"{name}.forward uses {form[1]} but the layer would read {present[0]}")
+    elif present and activation_kind(getattr(module, present[0])) is None:
+        problems.append(f"{name}.{present[0]}: {describe_activation(getattr(module, present[0]))}")
+    down = getattr(module, "down_proj", None)
+    if not problems and isinstance(down, nn.Linear):
+        hidden, inter = down.weight.shape
+        dtype = str(down.weight.dtype).removeprefix("torch.")
+        limits = layer.constraints.get("hidden_size", {})
+        if dtype not in limits:
+            problems.append(f"weights of dtype {dtype} (the kernel takes {', '.join(limits)})")
+        elif hidden > limits[dtype]:
+            problems.append(f"hidden size {hidden} is above the kernel's {limits[dtype]} for {dtype}")
+        if inter > layer.constraints.get("intermediate_size", inter):
+            problems.append(f"intermediate size {inter} is above the kernel's {layer.constraints['intermediate_size']}")
     return problems
 
 
@@ -192,10 +325,22 @@ def _layer_for(cls: type, reg: Registry) -> Layer | None:
     return by_class.get(cls.__name__) or by_tag.get(getattr(cls, "kernel_layer_name", None))
 
 
+def _discovered_layer(cls: type, reg: Registry) -> Layer | None:
+    """A layer with ``discover`` whose structure ``cls`` has (its name ends with the suffix and its
+    forward is the layer's computation): e.g. any other SwiGLU/GeGLU MLP class."""
+    form = None
+    for layer in reg.layers:
+        if layer.discover and cls.__name__.endswith(layer.discover):
+            form = form or gated_mlp_form(cls)
+            if form is not None and form[0] == layer.constraints.get("structure"):
+                return layer
+    return None
+
+
 def _candidates(model: nn.Module, reg: Registry) -> list[tuple[str, nn.Module, Layer]]:
     found = []
     for path, module in model.named_modules():
-        layer = _layer_for(type(module), reg)
+        layer = _layer_for(type(module), reg) or _discovered_layer(type(module), reg)
         if layer is not None:
             found.append((path or "<model>", module, layer))
     return found
@@ -273,6 +418,32 @@ def _swapped_to(module: nn.Module, layer: Layer) -> bool:
             and function.__qualname__ == f"{layer.layer}.forward" and function.__module__.startswith(package))
 
 
+MLP_REPO = "neuron-mlp"  # kernelize(mlp=False) leaves this repo's layers out
+
+
+@contextlib.contextmanager
+def _keeping_own_forward(kept: list[tuple[nn.Module, Layer]]):
+    """While kernels.kernelize runs, the ``kept`` modules fail their class's condition (so they are
+    skipped), and any that an earlier call swapped get their own forward back."""
+    ids = {id(module) for module, _ in kept}
+    saved = {}
+    for cls in {type(module) for module, _ in kept}:
+        condition = getattr(cls, "kernel_condition", None) or (lambda m: True)
+        saved[cls] = cls.__dict__.get("kernel_condition")
+        cls.kernel_condition = staticmethod(lambda m, c=condition: id(m) not in ids and c(m))
+    for module, layer in kept:
+        if _swapped_to(module, layer):
+            del module.forward  # the instance attribute the kernels library set; the class's forward shows again
+    try:
+        yield
+    finally:
+        for cls, original in saved.items():
+            if original is None:
+                del cls.kernel_condition
+            else:
+                cls.kernel_condition = original
+
+
 @contextlib.contextmanager
 def _quiet_kernels_logging():
     """The kernels library warns about every layer name it has no mapping for (SiLU, rotary ...)
@@ -291,7 +462,8 @@ def _quiet_kernels_logging():
         root.setLevel(level)
 
 
-def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attention: bool = True) -> nn.Module:
+def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attention: bool = True,
+              mlp: bool = True) -> nn.Module:
     """Swap kernels-neuron's NKI layers into ``model`` and attach ``model.kernels_neuron_report``.
 
     Args:
@@ -302,6 +474,8 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attent
             "inference+torch.compile", "training+torch.compile".
         attention: route the model's attention through the registry's attention function (False leaves
             attention alone and swaps only layers).
+        mlp: swap the gated MLPs (False leaves every MLP with its own forward, even one an earlier
+            call swapped, and out of the report).
 
     Attention is not swapped as a layer (transformers tags no attention class) but routed through
     transformers' ``AttentionInterface``: the registry's attention function is registered, with
@@ -316,18 +490,20 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attent
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
     ...                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=32)).eval()
     >>> model = kernelize(model, device="neuron")
-    >>> len(model.kernels_neuron_report.swapped)  # 3 norms and 1 attention module
-    4
+    >>> len(model.kernels_neuron_report.swapped)  # 3 norms, 1 MLP and 1 attention module
+    5
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize: expected a torch.nn.Module, got {type(model).__name__}")
     reg = registry_module.load()
     requested = resolve_mode(model, mode)
     candidates = _candidates(model, reg)
+    kept = [(m, layer) for _, m, layer in candidates if not mlp and layer.repo == MLP_REPO]
+    candidates = [c for c in candidates if mlp or c[2].repo != MLP_REPO]
     for cls, layer in {type(m): layer for _, m, layer in candidates}.items():
         _hook(cls, layer)
     register_mapping(devices=tuple(dict.fromkeys((device, "cpu"))), reg=reg)
-    with _quiet_kernels_logging():
+    with _quiet_kernels_logging(), _keeping_own_forward(kept):
         kernels.kernelize(model, mode=requested, device=device, use_fallback=True)
     report = KernelizeReport(device=device, mode=_mode_name(requested))
     for path, module, layer in candidates:

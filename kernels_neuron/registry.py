@@ -39,6 +39,9 @@ class Layer:
     modes: tuple[str, ...]
     classes: tuple[str, ...] = ()
     constraints: dict[str, Any] = field(default_factory=dict)
+    # Also match modules of other classes whose name ends with this suffix and whose forward
+    # has the layer's ``structure`` constraint (kernelize checks it on the source).
+    discover: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,11 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
         bad = set(entry["modes"]) - set(MODES)
         if bad:
             raise ValueError(f"{where}: unknown modes {sorted(bad)}; use {MODES}")
+        if "discover" in entry and "structure" not in entry.get("constraints", {}):
+            raise ValueError(f"{where}: 'discover' needs a 'structure' constraint to recognise modules by")
         layers.append(Layer(name=entry["name"], repo=entry["repo"], layer=entry["layer"], modes=tuple(entry["modes"]),
-                            classes=tuple(entry.get("classes", ())), constraints=dict(entry.get("constraints", {}))))
+                            classes=tuple(entry.get("classes", ())), constraints=dict(entry.get("constraints", {})),
+                            discover=entry.get("discover")))
     attention = []
     for i, entry in enumerate(raw.get("attention", ())):
         where = f"registry: attention[{i}] ({entry.get('name', '?')})"

@@ -31,6 +31,8 @@ def model_card(repo: Repo, registry: Registry, variants: list[str]) -> str:
             lines += ["", "## Layers", "", "| layer | replaces | modes |", "|---|---|---|"]
             for layer in layers:
                 replaces = ", ".join(layer.classes) if layer.classes else f"classes transformers tags `{layer.name}`"
+                if layer.discover:
+                    replaces += f", and any other `*{layer.discover}` class whose forward has the `{layer.constraints['structure']}` structure"
                 lines.append(f"| `{layer.layer}` | {replaces} | {', '.join(layer.modes)} |")
             lines += ["", "Constraints a module must meet to be swapped (others keep their own forward):", ""]
             for layer in layers:

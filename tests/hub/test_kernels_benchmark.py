@@ -18,6 +18,8 @@ REPO_WORKLOADS = {
     "neuron-rmsnorm": {"RMSNormBenchmark.llama", "RMSNormBenchmark.gemma"},
     "neuron-flash-attn": {"FlashAttnBenchmark.causal_prefill", "FlashAttnBenchmark.sliding_window",
                           "FlashAttnBenchmark.decode"},
+    "neuron-mlp": {"GatedMLPBenchmark.swiglu_prefill", "GatedMLPBenchmark.geglu_prefill",
+                   "GatedMLPBenchmark.swiglu_decode"},
 }
 
 

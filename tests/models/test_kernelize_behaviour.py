@@ -23,8 +23,9 @@ from tiny_models import (KERNEL_PACKAGE, assert_bf16_like_torch, assert_logits_m
 
 
 def _kernelize(model, **kwargs):
-    # attention=False: these tests check the norm layers' contract in isolation; attention has tests/models/test_attention_models.py.
-    return kernels_neuron.kernelize(model, device="neuron", attention=False, **kwargs)
+    # attention=False, mlp=False: these tests check the norm layers' contract in isolation; attention has
+    # tests/models/test_attention_models.py, the MLP tests/models/test_kernelize_mlp.py.
+    return kernels_neuron.kernelize(model, device="neuron", attention=False, mlp=False, **kwargs)
 
 
 # --- modes --------------------------------------------------------------------------------------------
@@ -157,13 +158,18 @@ def test_use_kernels_true_picks_up_the_registered_mapping(tmp_path):
 
 
 _USE_KERNELS_IN_A_FRESH_PROCESS = textwrap.dedent("""
-    import json, sys
+    import dataclasses, json, sys
     import torch, transformers
     import kernels_neuron
+    from kernels_neuron import registry
 
     # The modeling modules must not be imported yet: register_mapping hooks them as they load.
     before = [m for m in ("olmo2", "llama", "gemma") if f"transformers.models.{m}.modeling_{m}" in sys.modules]
-    kernels_neuron.register_mapping()
+    # The norm layers only: this checks where their bf16 rounding happens (the MLP's model tests are
+    # in test_kernelize_mlp.py, and its kernel rounds less often than the module it replaces).
+    reg = registry.load()
+    kernels_neuron.register_mapping(reg=dataclasses.replace(
+        reg, layers=tuple(layer for layer in reg.layers if layer.repo == "neuron-rmsnorm")))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     result = {"imported_before": before}
     load = transformers.AutoModelForCausalLM.from_pretrained

@@ -18,8 +18,9 @@ from tiny_models import (ARCHS, KERNEL_REPO, assert_bf16_like_torch, assert_grad
 # contiguous; call .contiguous() first") instead of making it contiguous. Strict: once the op is
 # fixed these cases XPASS and fail, so the marker must then be removed.
 def _kernelize(model, **kwargs):
-    # attention=False: these tests check norm numerics in isolation; attention has tests/models/test_attention_models.py.
-    return kernels_neuron.kernelize(model, device="neuron", attention=False, **kwargs)
+    # attention=False, mlp=False: these tests check norm numerics in isolation; attention has
+    # tests/models/test_attention_models.py, the MLP tests/models/test_kernelize_mlp.py.
+    return kernels_neuron.kernelize(model, device="neuron", attention=False, mlp=False, **kwargs)
 
 
 def test_every_norm_is_swapped_for_the_right_layer(arch, tiny):
