@@ -4,7 +4,6 @@ contract (metadata.json fields, digest, self-contained packages, model cards).""
 import ast
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,15 +19,6 @@ VARIANT_DIRS = sorted(p.parent for p in build.BUILD_DIR.glob("*/build/*/metadata
 PYTHON_DEPENDS = json.loads((Path(sys.modules["kernels"].__file__).parent / "python_depends.json").read_text())
 
 
-def _modified_nki_src(tmp_path: Path) -> Path:
-    """A copy of nki_src/ whose rmsnorm.py differs by one comment (the real tree is never touched)."""
-    copy = tmp_path / "nki_src"
-    shutil.copytree(build.NKI_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with (copy / "rmsnorm.py").open("a") as f:
-        f.write("# changed\n")
-    return copy
-
-
 # --- freshness ----------------------------------------------------------------------------------------
 
 def test_build_check_passes_on_the_committed_build(capsys):
@@ -37,8 +27,7 @@ def test_build_check_passes_on_the_committed_build(capsys):
     assert "up to date" in capsys.readouterr().out
 
 
-def test_build_check_fails_and_names_the_files_when_a_source_changes(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(build, "NKI_DIR", _modified_nki_src(tmp_path))
+def test_build_check_fails_and_names_the_files_when_a_source_changes(stale_nki_src, capsys):
     assert cli.main(["build", "--check"]) == 1
     out = capsys.readouterr().out
     assert "stale" in out

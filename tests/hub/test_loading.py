@@ -85,14 +85,6 @@ def _local_kernels(*repos: str) -> str:
     return ":".join(f"{REGISTRY.repo_id(name)}={build.BUILD_DIR / name}" for name in repos)
 
 
-def _modified_nki_src(tmp_path: Path) -> Path:
-    copy = tmp_path / "nki_src"
-    shutil.copytree(build.NKI_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with (copy / "rmsnorm.py").open("a") as f:
-        f.write("# changed\n")
-    return copy
-
-
 def _assert_installed(cache: Path) -> None:
     for name, repo in REGISTRY.repos.items():
         root = cache / f"kernels--{REGISTRY.org}--{name}"
@@ -148,8 +140,7 @@ def test_default_cache_follows_the_kernels_library(monkeypatch, tmp_path):
 
 # --- (c) install refuses a stale build --------------------------------------------------------------------
 
-def test_install_refuses_a_stale_build(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(build, "NKI_DIR", _modified_nki_src(tmp_path))
+def test_install_refuses_a_stale_build(stale_nki_src, tmp_path, capsys):
     cache = tmp_path / "cache"
     assert cli.main(["install", "--cache", str(cache)]) == 1
     out = capsys.readouterr().out
