@@ -40,14 +40,6 @@ class Op:
         self.identity = identity
         self.language_fn: Callable[..., Any] | None = None
 
-    @property
-    def is_activation(self) -> bool:
-        return self.unary is not None
-
-    @property
-    def is_alu(self) -> bool:
-        return self.binary is not None
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.language_fn is None:
             raise TypeError(f"nl.{self.name} cannot be called directly; pass it as an instruction's op")

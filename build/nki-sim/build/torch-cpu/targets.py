@@ -32,10 +32,6 @@ class Target:
     scalar_engine_tensor_copy: bool
 
     @property
-    def psum_banks(self) -> int:
-        return self.psum_bytes_per_partition // self.psum_bank_bytes
-
-    @property
     def generation(self) -> int:
         return int(self.nc_version.removeprefix("gen"))
 
