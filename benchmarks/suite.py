@@ -35,7 +35,7 @@ def _linear_reference(lhs_t, rhs):
 
 def _projection(name: str, kernel, model: str, m: int, k: int, n: int, **kwargs) -> Case:
     return Case(
-        name=name, kernel=kernel, make_inputs=partial(lambda m, k, n, seed: operands(m, k, n, seed), m, k, n),
+        name=name, kernel=kernel, make_inputs=partial(operands, m, k, n),
         shape={"M": m, "K": k, "N": n}, dtype="bfloat16", model=model,
         reference_name="torch.matmul (nn.Linear)", reference=_linear_reference, kwargs=kwargs,
     )
@@ -61,7 +61,7 @@ def _rmsnorm(name: str, model: str, rows: int, hidden: int, convention: str, bac
     module = {"llama": "LlamaRMSNorm", "gemma": "GemmaRMSNorm", "fp32_multiply": "Olmo2RMSNorm"}[convention]
     return Case(
         name=name, kernel=rmsnorm_bwd if backward else rmsnorm_fwd,
-        make_inputs=partial(lambda r, h, b, seed: _rmsnorm_inputs(r, h, b, seed), rows, hidden, backward),
+        make_inputs=partial(_rmsnorm_inputs, rows, hidden, backward),
         shape={"rows": rows, "hidden": hidden}, dtype="bfloat16", model=model,
         reference_name=f"{module} {'backward (autograd)' if backward else 'forward'} (torch)",
         reference=_rmsnorm_reference(convention),
@@ -75,8 +75,6 @@ def _attention_inputs(sq: int, sk: int, d: int, window: int, softcap: float, bac
     args = (None, d ** -0.5, True, window, softcap, None)
     if not backward:
         return (q, k, v) + args
-    from kernels_neuron import sim
-
     out, lse = sim.run(flash_attn_fwd, q, k, v, *args).outputs
     dout = rng.standard_normal(out.shape).astype(ml_dtypes.bfloat16)
     return (q, k, v, out, dout, lse) + args

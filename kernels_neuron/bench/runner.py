@@ -59,11 +59,7 @@ def run_case(case: Case, target: str = "trn2", seed: int = 0, on_device: bool | 
     start = time.perf_counter()
     result = sim.run(case.kernel, *inputs, target=target, grid=case.grid, **case.kwargs)
     wall = time.perf_counter() - start
-    report = cost.estimate_trace(result.trace, target)
-    if case.standard_flops is not None:
-        report.flops = case.standard_flops
-        report.tflops = case.standard_flops / (report.time_us * 1e-6) / 1e12
-        report.pct_tensor_peak = 100.0 * report.tflops * 1e12 / cost.hardware(report.target).tensor_peak_flops
+    report = cost.estimate_trace(result.trace, target, flops=case.standard_flops)
     record = Record(
         name=case.name, kernel=getattr(case.kernel, "__name__", str(case.kernel)), model=case.model,
         shape=dict(case.shape), dtype=case.dtype, target=report.target, reference=case.reference_name,

@@ -37,8 +37,12 @@ def estimate(kernel: Callable[..., Any], *args: Any, target: str = "trn2", grid:
     return estimate_trace(result.trace, target)
 
 
-def estimate_trace(trace: Trace, target: str | None = None) -> CostReport:
-    """Model an existing trace. SPMD programs each run on their own NeuronCore, in parallel."""
+def estimate_trace(trace: Trace, target: str | None = None, flops: int | None = None) -> CostReport:
+    """Model an existing trace. SPMD programs each run on their own NeuronCore, in parallel.
+
+    ``flops`` overrides the trace's FLOP count (every TensorE instruction, transposes included) for the
+    TFLOPS and %-of-peak figures, e.g. with the standard count of the algorithm.
+    """
     hw = hardware(target or trace.target)
     programs: dict[tuple[int, ...], list[Instruction]] = defaultdict(list)
     for inst in trace.instructions:
@@ -49,7 +53,7 @@ def estimate_trace(trace: Trace, target: str | None = None) -> CostReport:
     slowest = max(schedules, key=lambda p: schedules[p].makespan_ns)
     cores = len(programs)
     time_ns = schedules[slowest].makespan_ns
-    flops = trace.flops
+    flops = trace.flops if flops is None else flops
     compute_ns = max(_compute_bound_ns(insts, hw) for insts in programs.values())
     memory_ns = max(sum(i.hbm_bytes_read + i.hbm_bytes_written for i in insts) for insts in programs.values()) \
         / hw.hbm_bytes_per_s * 1e9

@@ -68,8 +68,11 @@ TRN3 = Hardware(
 HARDWARE: dict[str, Hardware] = {h.name: h for h in (TRN1, TRN2, TRN3)}
 
 
+_GENERATION_NAMES = {"gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}
+
+
 def hardware(target: str) -> Hardware:
-    key = {"gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}.get(target, target)
+    key = _GENERATION_NAMES.get(target, target)
     if key not in HARDWARE:
         raise ValueError(f"no cost table for target {target!r}; choose one of {sorted(HARDWARE)}")
     return HARDWARE[key]

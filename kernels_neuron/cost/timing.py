@@ -22,8 +22,6 @@ from __future__ import annotations
 from ..sim.trace import Instruction
 from .hardware import Hardware
 
-COMPUTE_ENGINES = ("tensor", "vector", "scalar", "gpsimd")
-
 
 def _clock_ghz(engine: str, hw: Hardware) -> float:
     return {"tensor": hw.tensor_ghz, "vector": hw.vector_ghz, "scalar": hw.scalar_ghz,
