@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
@@ -76,7 +75,8 @@ def _examples(args: argparse.Namespace) -> int:
 
 def _load_suite():
     """The cases of ``benchmarks/suite.py`` in this source checkout."""
-    root = Path(__file__).resolve().parent.parent
+    from kernels_neuron.registry import ROOT as root
+
     if not (root / "benchmarks" / "suite.py").is_file():
         raise SystemExit(
             f"kernels-neuron bench runs the suite in a source checkout; benchmarks/suite.py was not found under {root}"

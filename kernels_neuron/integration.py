@@ -245,6 +245,7 @@ def gated_mlp_form(cls: type) -> tuple[str, str] | None:
 
 
 def _gated_mlp_problems(layer: Layer, module: nn.Module) -> list[str]:
+    from .ops._backend import dtype_name
     from .ops.mlp import activation_kind, describe_activation
 
     name = type(module).__name__
@@ -263,7 +264,7 @@ def _gated_mlp_problems(layer: Layer, module: nn.Module) -> list[str]:
             problems.append(f"{name}.{attribute} has a bias (the kernel adds none)")
         elif not linear.weight.is_contiguous():
             problems.append(f"{name}.{attribute}.weight is not contiguous")
-    dtypes = {str(getattr(module, a).weight.dtype).removeprefix("torch.") for a in linears
+    dtypes = {dtype_name(getattr(module, a).weight.dtype) for a in linears
               if type(getattr(module, a, None)) is nn.Linear}
     if len(dtypes) > 1:
         problems.append(f"{name}'s projections have mixed dtypes {sorted(dtypes)}")
@@ -275,7 +276,7 @@ def _gated_mlp_problems(layer: Layer, module: nn.Module) -> list[str]:
     down = getattr(module, "down_proj", None)
     if not problems and isinstance(down, nn.Linear):
         hidden, inter = down.weight.shape
-        dtype = str(down.weight.dtype).removeprefix("torch.")
+        dtype = dtype_name(down.weight.dtype)
         limits = layer.constraints.get("hidden_size", {})
         if dtype not in limits:
             problems.append(f"weights of dtype {dtype} (the kernel takes {', '.join(limits)})")

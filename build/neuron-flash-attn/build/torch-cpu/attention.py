@@ -104,6 +104,10 @@ def mask_to_bias(op: str, mask: Optional[torch.Tensor], shape: tuple[int, int, i
     return bias.expand(bias.shape[0], bias.shape[1], shape[2], shape[3]).contiguous()
 
 
+def _offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
 def check_cu_seqlens(op: str, name: str, cu_seqlens: torch.Tensor, total: int) -> list[int]:
     """``cu_seqlens`` must be 1-D int, start at 0, strictly increase and end at the token count."""
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -111,7 +115,7 @@ def check_cu_seqlens(op: str, name: str, cu_seqlens: torch.Tensor, total: int) -
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
         raise ValueError(f"{op}: {name} must be a 1-D int32/int64 tensor of at least 2 offsets, got "
                          f"shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
-    offsets = [int(x) for x in cu_seqlens.tolist()]
+    offsets = _offsets(cu_seqlens)
     if offsets[0] != 0:
         raise ValueError(f"{op}: {name} must start at 0, got {offsets[0]}")
     if any(b <= a for a, b in zip(offsets, offsets[1:])):
@@ -126,7 +130,7 @@ def check_cu_seqlens(op: str, name: str, cu_seqlens: torch.Tensor, total: int) -
 def _segments(cu_seqlens: Optional[torch.Tensor]):
     if cu_seqlens is None:
         return None
-    offsets = [int(x) for x in cu_seqlens.tolist()]
+    offsets = _offsets(cu_seqlens)
     return tuple(zip(offsets[:-1], offsets[1:]))
 
 

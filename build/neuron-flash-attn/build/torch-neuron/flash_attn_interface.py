@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import torch
 
-from .attention import MAX_HEAD_DIM, flash_attention, flash_attn_varlen
+from .attention import MAX_HEAD_DIM, _offsets, flash_attention, flash_attn_varlen
 
 _OP = "flash_attn_forward"
 
@@ -126,10 +126,6 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                                dropout=dropout_p, return_lse=True)
     out = out.transpose(1, 2).contiguous()
     return (out, lse, None) if return_attn_probs else out
-
-
-def _offsets(cu_seqlens: torch.Tensor) -> list[int]:
-    return [int(x) for x in cu_seqlens.tolist()]
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
