@@ -298,6 +298,13 @@ def _ensure_local_kernels(reg: Registry) -> bool:
     return True
 
 
+def _pinned_version(reg: Registry, repo: str) -> dict[str, str | int]:
+    """How to ask the kernels library for the registry's version of ``repo``: a local build/ checkout
+    is addressed by its version branch name, a Hub repo by its version."""
+    version = reg.repos[repo].version
+    return {"revision": f"v{version}"} if _ensure_local_kernels(reg) else {"version": version}
+
+
 def register_mapping(devices: tuple[str, ...] = ("neuron", "cpu"), reg: Registry | None = None) -> None:
     """Register the registry's layers with the kernels library for ``devices``.
 
@@ -307,12 +314,10 @@ def register_mapping(devices: tuple[str, ...] = ("neuron", "cpu"), reg: Registry
     else when their module is imported.
     """
     reg = reg or registry_module.load()
-    local = _ensure_local_kernels(reg)
     mapping = {}
     for layer in reg.layers:
-        repo_version = reg.repos[layer.repo].version
         repository = LayerRepository(reg.repo_id(layer.repo), layer_name=layer.layer,
-                                     **({"revision": f"v{repo_version}"} if local else {"version": repo_version}))
+                                     **_pinned_version(reg, layer.repo))
         modes = {mode: repository for mode in _registered_modes(layer)}
         mapping[layer.name] = {device: modes for device in devices}
     kernels.register_kernel_mapping(mapping, inherit_mapping=True)
@@ -537,9 +542,7 @@ _ORIGINAL_ATTENTION = "_kernels_neuron_original_attention"  # set on each attent
 
 def _load_attention_kernel(reg: Registry, name: str) -> Any:
     entry = next(e for e in reg.attention if e.name == name)
-    local = _ensure_local_kernels(reg)
-    version = reg.repos[entry.repo].version
-    return kernels.get_kernel(reg.repo_id(entry.repo), **({"revision": f"v{version}"} if local else {"version": version}))
+    return kernels.get_kernel(reg.repo_id(entry.repo), **_pinned_version(reg, entry.repo))
 
 
 def _bool_mask_as_additive(mask: Any, dtype: Any) -> Any:
