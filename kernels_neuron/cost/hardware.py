@@ -33,6 +33,13 @@ class Hardware:
     dma_small_bytes: int
     dma_small_efficiency: float
     dma_saturation_bytes: int
+    # DMA transposes (``dma_transpose``) move 2-byte elements, not contiguous rows, so the
+    # row-efficiency rule above does not describe them. Derived: AWS's production attention
+    # (nki-library ``attention_cte``) transposes every bf16 probability tile with the DMA and
+    # measures ~46% of TensorE peak at 16K tokens on Trn2 (NKI-NOTES). At that speed one
+    # 128x512 tile (33.5 MFLOP useful, 128 KiB of probabilities) takes ~927 ns, so the DMA
+    # transposes at least 128 KiB / 927 ns ~ 141 GB/s per core. The model uses that lower bound.
+    dma_transpose_bytes_per_s: float
     min_instruction_cycles: int  # NKI-NOTES: fixed minimum of ~64 engine cycles per instruction
     vector_fast_modes: bool  # NKI-NOTES: Trn2 VectorE 2-4x modes for bf16 SBUF->SBUF work
     cross_engine_sync_ns: float  # assumed: semaphore hand-off between engines
@@ -43,11 +50,19 @@ class Hardware:
         return 2.0 * self.pe_rows * self.pe_cols * self.tensor_ghz * GB
 
 
+# Derived (see ``Hardware.dma_transpose_bytes_per_s``) from AWS's published attention figure:
+# a 128x512 bf16 probability tile (128 KiB, 4*128*512*128 useful FLOPs) at 46% of Trn2's peak.
+ATTENTION_CTE_TRN2_PEAK_FRACTION = 0.46
+_TILE_SECONDS = 4 * 128 * 512 * 128 / (ATTENTION_CTE_TRN2_PEAK_FRACTION * 2 * 128 * 128 * 2.4 * GB)
+_TRN2_DMA_TRANSPOSE = 128 * 512 * 2 / _TILE_SECONDS
+
+
 TRN1 = Hardware(
     name="trn1", tensor_ghz=2.8, vector_ghz=1.12, scalar_ghz=1.4, gpsimd_ghz=1.4, pe_rows=128, pe_cols=128,
     hbm_bytes_per_s=820 * GB / 2,  # 820 GB/s per chip, 2 NeuronCores
     dma_queues=16, dma_latency_ns=1300.0,
     dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
+    dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE,  # assumed: NC-v2 and NC-v3 DMA engines are equally fast
     min_instruction_cycles=64, vector_fast_modes=False, cross_engine_sync_ns=50.0,
 )
 TRN2 = Hardware(
@@ -55,6 +70,7 @@ TRN2 = Hardware(
     hbm_bytes_per_s=2900 * GB / 8,  # 2.9 TB/s per chip, 8 NeuronCores
     dma_queues=16, dma_latency_ns=1300.0,
     dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
+    dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE,
     min_instruction_cycles=64, vector_fast_modes=True, cross_engine_sync_ns=50.0,
 )
 TRN3 = Hardware(
@@ -62,6 +78,7 @@ TRN3 = Hardware(
     hbm_bytes_per_s=4900 * GB / 8,  # 4.9 TB/s per chip, 8 NeuronCores
     dma_queues=16, dma_latency_ns=1300.0,
     dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
+    dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE * 38.4 / 27.2,  # assumed: scaled by per-engine DMA speed
     min_instruction_cycles=64, vector_fast_modes=True, cross_engine_sync_ns=50.0,
 )
 

@@ -14,7 +14,7 @@ per partition and a fixed minimum of ~64 cycles:
 
 DMA: a transfer occupies the core's share of HBM bandwidth for ``bytes / (bandwidth x
 efficiency)``, where efficiency grows with the contiguous bytes per partition, plus a fixed
-latency that overlaps across the 16 queues.
+latency that overlaps across the 16 queues. DMA transposes move at their own derived rate.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def dma_efficiency(contiguous_bytes: int, hw: Hardware) -> float:
 def dma_transfer_ns(inst: Instruction, hw: Hardware) -> float:
     """Time a DMA instruction holds the bandwidth (its fixed latency is added by the scheduler)."""
     attrs = inst.attrs
+    if inst.op == "dma_transpose":
+        return inst.bytes_moved / hw.dma_transpose_bytes_per_s * 1e9
     per_partition = attrs.get("bytes_per_partition", inst.bytes_moved)
     contiguous = min(per_partition, attrs.get("contiguous_bytes", per_partition))
     return inst.bytes_moved / (hw.hbm_bytes_per_s * dma_efficiency(contiguous, hw)) * 1e9

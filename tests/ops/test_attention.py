@@ -30,8 +30,9 @@ FACTORS = {
     "padding": [None, "left", "right"],
     "shape": ["prefill", "decode", "cache"],  # Sq = Sk; Sq = 1 against a cache; a chunk against a cache
 }
-# Two sizes per shape kind, alternated over the cases: ragged and multiple 128-query / 512-key tiles.
-SIZES = {"prefill": [(37, 37), (150, 150)], "decode": [(1, 77), (1, 600)], "cache": [(20, 530), (130, 260)]}
+# Two sizes per shape kind, alternated over the cases: ragged, and several 128-query tiles, 512-key
+# backward tiles and 1024-key forward steps (so the running max is rescaled across steps).
+SIZES = {"prefill": [(37, 37), (150, 150)], "decode": [(1, 77), (1, 1100)], "cache": [(20, 530), (130, 1300)]}
 
 
 def pairwise_cases(factors, seed=0, candidates=60):
@@ -188,6 +189,18 @@ def test_scale_and_fp16():
     exact = attention_reference(*_fp32(q, k, v), scale=0.3, causal=True)
     torch_error = (attention_reference(q, k, v, scale=0.3, causal=True).float() - exact).abs().max()
     assert (out.float() - exact).abs().max() <= 2 * torch_error
+
+
+def test_the_running_max_is_rescaled_across_key_steps():
+    """The second forward key step holds far larger logits than the first, so the first step's
+    partial output and row sum must be rescaled by exp(old max - new max) to be right."""
+    step = ops._kernels.FWD_KEY_TILE
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 130, 64, generator=gen)
+    k, v = (torch.randn(1, 1, step + 300, 64, generator=gen) for _ in range(2))
+    k[..., step:, :] *= 6.0
+    torch.testing.assert_close(flash_attention(q, k, v), attention_reference(q, k, v), rtol=1e-5, atol=2e-5)
+    assert (attention_reference(q, k[..., :step, :], v[..., :step, :]) - attention_reference(q, k, v)).abs().max() > 0.5
 
 
 def test_a_kernel_that_ignored_the_window_would_fail():

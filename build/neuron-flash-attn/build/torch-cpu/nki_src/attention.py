@@ -12,15 +12,21 @@ Dimensions
     D head dim (1..MAX_HEAD_DIM; above 128 the contraction over D is split in 128-row halves).
 
 Tiling plan (forward)
-    Per (batch, KV head): K is transposed on TensorE once into SBUF as K^T [D, Sk] and V stays
-    [keys, D] in 128-key tiles; every query head of the group and every query tile reuses them
-    (no KV replication in HBM). Per 128-query tile, key tiles of KEY_TILE columns:
-    S = Q K^T into one PSUM bank; VectorE's range_select applies the causal/window bounds and
-    takes the row max in one pass (tensor_reduce when a tile needs no mask); ScalarE computes
-    P = exp(scale * S - m) with its row sum; TensorE transposes P and accumulates P V in PSUM;
-    VectorE rescales the running output. Key tiles wholly outside the mask are skipped, which
-    is where causal attention halves the work. The S x S scores never reach HBM: the forward
-    writes only the output and the log-sum-exp.
+    Per (batch, KV head): K^T [D, Sk] (D on partitions) and V [keys, D] plus a ones column stay
+    in SBUF, loaded 128 keys at a time as the pipeline first needs them (bf16/fp16 K is
+    transposed by the DMA engines); every query head of the group and every query tile reuses
+    them (no KV replication in HBM). The work is a list of (128-query tile, FWD_KEY_TILE-key step)
+    items run through a software pipeline (``_FWD_STAGES``): at each tick TensorE computes
+    S = Q K^T for a later item into PSUM; VectorE copies an earlier item's S to SBUF, masked
+    (range_select) or not (tensor_scalar_reduce), taking the row max in the same pass; GpSimd
+    updates the running max; ScalarE computes P = exp(scale * S - m); P is transposed per
+    128-key block, DMA_TRANSPOSE_SHARE of the blocks by the DMA engines straight into SBUF and
+    the rest on TensorE (then copied out of PSUM, mostly by ScalarE); TensorE accumulates
+    [P V | rowsum P] over the step in PSUM (the ones column of V yields the softmax denominator);
+    VectorE rescales the running output. Items of LANES query tiles interleave, so consecutive
+    items never depend on each other. Key steps wholly outside the mask are skipped, which is
+    where causal attention halves the work. The S x S scores never reach HBM: the forward writes
+    only the output and the log-sum-exp.
 """
 
 import nki
@@ -28,9 +34,15 @@ import nki.isa as nisa
 import nki.language as nl
 
 P = 128
-KEY_TILE = 512  # one fp32 PSUM bank of scores per query tile
+KEY_TILE = 512  # backward key tile: one fp32 PSUM bank of scores per query tile
+FWD_KEY_TILE = 1024  # forward key step: two PSUM banks of scores, one running-max update per step
+MATMUL_COLUMNS = 512  # moving columns per matmul: one fp32 PSUM bank
 MAX_HEAD_DIM = 256
-INTERLEAVE = 4  # query tiles advanced in lockstep; 4 keeps every engine fed and fits PSUM's 8 banks
+LANES = 4  # forward query tiles whose key steps interleave in the pipeline
+# Of every 8 probability blocks, 5 are transposed by the DMA engines and 3 on TensorE (whose
+# PSUM result ScalarE/VectorE must copy out): the split that balances DMA against ScalarE.
+DMA_TRANSPOSE_SHARE = (3, 8)
+VECTOR_EVICTION_PERIOD = 4  # VectorE evicts one TensorE-transposed block in this many
 BWD_INTERLEAVE = 2  # the backward holds S and dP per query tile, plus dK/dV for the key tile, in PSUM
 FP32_MIN = -3.4028234663852886e38
 # The running max never drops below this, so a row that has seen only masked keys keeps
@@ -84,9 +96,9 @@ def _transposed_blocks(src, rows, cols, dtype, keep_rows=False):
     return (blocks, row_tiles) if keep_rows else blocks
 
 
-def _column(value, rows):
+def _column(value, rows, engine=nisa.engine.unknown):
     column = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=column, value=value)
+    nisa.memset(dst=column, value=value, engine=engine)
     return column
 
 
@@ -101,17 +113,7 @@ class _Visibility(nl.NKIObject):
         lowest = max(seg_lo, q0 + offset - window + 1) if window else seg_lo
         self.first = max(0, (min(lowest, self.end) // P) * P)
         self.lowest = lowest
-        self.upper = self.lower = None
-        if causal:
-            self.upper = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-            nisa.iota(dst=self.upper, pattern=[[0, 1]], offset=offset + q0, channel_multiplier=1)
-        if window or self.first < seg_lo:
-            self.lower = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-            if window:
-                nisa.iota(dst=self.lower, pattern=[[0, 1]], offset=offset + q0 - window + 1, channel_multiplier=1)
-                nisa.tensor_scalar(dst=self.lower, data=self.lower, op0=nl.maximum, operand0=float(seg_lo))
-            else:
-                nisa.memset(dst=self.lower, value=float(seg_lo))
+        self.limits = None
 
     def masks(self, k0, kc):
         """Whether some row of the tile may not see some key of [k0, k0 + kc)."""
@@ -125,10 +127,19 @@ class _Visibility(nl.NKIObject):
         return k0 < self.end and k0 + kc > self.lowest
 
     def bounds(self):
-        if self.lower is None:
-            self.lower = _column(float(self.seg_lo), self.rows)
-        upper = self.upper if self.upper is not None else _column(float(self.end - 1), self.rows)
-        return self.lower, upper
+        """Per-row [lower, upper] key bounds, built on GpSimd the first time they are asked for."""
+        if self.limits is None:
+            rows, q0, offset, window = self.rows, self.q0, self.offset, self.window
+            gpsimd = nisa.engine.gpsimd
+            lower = _column(float(self.seg_lo), rows, gpsimd)
+            if window:
+                nisa.iota(dst=lower, pattern=[[0, 1]], offset=offset + q0 - window + 1, channel_multiplier=1)
+                nisa.tensor_scalar(dst=lower, data=lower, op0=nl.maximum, operand0=float(self.seg_lo), engine=gpsimd)
+            upper = _column(float(self.end - 1), rows, gpsimd)
+            if self.causal:
+                nisa.iota(dst=upper, pattern=[[0, 1]], offset=offset + q0, channel_multiplier=1)
+            self.limits = (lower, upper)
+        return self.limits
 
 
 @nki.jit
@@ -157,72 +168,136 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
     offset = 0 if segments else sk - sq
     for b in range(batch):
         for g in range(kv_heads):
-            k_t = _transposed_blocks(k[b, g], sk, d, k.dtype)  # per 128 of D: [<=128, Sk]
-            v_tiles = []
-            for k0, kr in _tiles(sk, P):
-                v_tile = nl.ndarray((kr, d), v.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=v_tile, src=v[b, g, k0:k0 + kr, :])
-                v_tiles.append(v_tile)
-            work = [(h, seg_lo + q0, rows, seg_lo, seg_hi if segments else sk)
-                    for h in range(g * group, (g + 1) * group) for seg_lo, seg_hi in spans
-                    for q0, rows in _tiles(seg_hi - seg_lo, P)]
-            for i in range(0, len(work), INTERLEAVE):
-                tiles = [_QueryTile(q, b, h, _Visibility(q0, rows, causal, window, offset, lo, hi), scale, softcap)
-                         for h, q0, rows, lo, hi in work[i:i + INTERLEAVE]]
-                # Phase by phase across the interleaved tiles, so each engine always has another
-                # tile's independent work queued behind a dependency, and software-pipelined: the
-                # next key tile's scores and row max are issued before this one's P V and rescale.
-                for tile in tiles:
-                    tile.scores(0, bias, k_t)
-                for tile in tiles:
-                    tile.row_max(0)
-                for step in range(max(t.steps for t in tiles)):
-                    for phase in (lambda t: t.exponentiate(step), lambda t: t.scores(step + 1, bias, k_t),
-                                  lambda t: t.transpose_probs(step), lambda t: t.row_max(step + 1),
-                                  lambda t: t.multiply_values(step, v_tiles), lambda t: t.rescale(step)):
-                        for tile in tiles:
-                            phase(tile)
-                for tile in tiles:
-                    tile.finish(out, lse_out)
-            del k_t, v_tiles
+            keys = _KeysAndValues(k, v, b, g, bias)
+            tiles = [_QueryTile(q, b, h, _Visibility(lo + q0, rows, causal, window, offset, lo,
+                                                     hi if segments else sk), scale, softcap, keys)
+                     for h in range(g * group, (g + 1) * group) for lo, hi in spans
+                     for q0, rows in _tiles(hi - lo, P)]
+            items = _pipeline_order(tiles)
+            # A software pipeline over (query tile, key step) items: at each tick every stage
+            # works on a different item, LEAD items apart, so each engine's queue always holds
+            # work whose inputs another engine finished a tick earlier (DMA transposes get more).
+            for n in range(-_FWD_STAGES[0][1], len(items)):
+                for stage, lead in _FWD_STAGES:
+                    if 0 <= n + lead < len(items):
+                        tile, step = items[n + lead]
+                        getattr(tile, stage)(step)
+                if n >= 0 and items[n][1] == items[n][0].steps - 1:
+                    items[n][0].finish(out, lse_out)
+            del keys, tiles, items
     return out, lse_out
 
 
-class _QueryTile(nl.NKIObject):
-    """The online-softmax state of one 128-query tile, advanced one key tile at a time, so that
-    several independent tiles can be interleaved and keep every engine busy."""
+# (stage, items ahead of the last stage): the order is each engine's issue order within a tick.
+_FWD_STAGES = (("load_inputs", 11), ("scores", 8), ("row_max", 7), ("exponentiate", 6),
+               ("transpose_probs", 4), ("evict_probs", 3), ("multiply_values", 1), ("rescale", 0))
 
-    def __init__(self, q, b, h, seen, scale, softcap):
-        self.b, self.h, self.seen, self.scale, self.softcap = b, h, seen, scale, softcap
-        rows, d = seen.rows, q.shape[3]
-        self.rows, self.d, self.dtype = rows, d, q.dtype
-        self.q_t = _transposed_blocks(q[b, h, seen.q0:seen.q0 + rows, :], rows, d, q.dtype)
-        self.neg_running_max = _column(-MAX_FLOOR, rows)
-        self.running_sum = _column(0.0, rows)
-        self.acc = nl.ndarray((rows, d), nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=self.acc, value=0.0)
+
+def _pipeline_order(tiles):
+    """(tile, step) items: tiles dealt longest first to the least-loaded of LANES lanes (which
+    balances the lanes), each lane running its tiles shortest first (so keys are first needed,
+    and loaded, gradually), and the lanes' items interleaved, so that consecutive items belong to
+    different tiles."""
+    dealt = [[] for _ in range(min(LANES, len(tiles)))]
+    for tile in sorted(tiles, key=lambda t: -t.steps):
+        min(dealt, key=lambda lane: sum(t.steps for t in lane)).append(tile)
+    lanes = [[(tile, step) for tile in reversed(lane) for step in range(tile.steps)] for lane in dealt]
+    items = []
+    for i in range(max(len(lane) for lane in lanes)):
+        items.extend(lane[i] for lane in lanes if i < len(lane))
+    return items
+
+
+def _two_byte(dtype):
+    return dtype in (nl.bfloat16, nl.float16)
+
+
+class _KeysAndValues(nl.NKIObject):
+    """One (batch, KV head): K^T per 128 of D ([<=128, Sk]), V in 128-key tiles with a ones
+    column appended (so P V also yields the softmax row sum), and the bias tensor. Keys are
+    loaded 128 at a time when a pipeline item first needs them, so the first items do not wait
+    behind the whole of K and V."""
+
+    def __init__(self, k, v, b, g, bias):
+        sk, d = k.shape[2], k.shape[3]
+        self.k, self.v, self.b, self.g, self.bias, self.d = k, v, b, g, bias, d
+        self.k_t = [nl.ndarray((dc, sk), k.dtype, buffer=nl.sbuf) for _, dc in _tiles(d, P)]
+        self.v_tiles = [None] * ((sk + P - 1) // P)
+
+    def load(self, k0, kc):
+        """Make keys [k0, k0 + kc) resident."""
+        k, v, b, g, d = self.k, self.v, self.b, self.g, self.d
+        sk = k.shape[2]
+        for index in range(k0 // P, (k0 + kc - 1) // P + 1):
+            if self.v_tiles[index] is not None:
+                continue
+            c0, cc = index * P, min(P, sk - index * P)
+            for block, (d0, dc) in zip(self.k_t, _tiles(d, P)):
+                if _two_byte(k.dtype):
+                    nisa.dma_transpose(dst=block[:, c0:c0 + cc], src=k[b, g, c0:c0 + cc, d0:d0 + dc])
+                else:
+                    rows = nl.ndarray((cc, dc), k.dtype, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=rows, src=k[b, g, c0:c0 + cc, d0:d0 + dc])
+                    flipped = nl.ndarray((dc, cc), k.dtype, buffer=nl.psum)
+                    nisa.nc_transpose(dst=flipped, data=rows)
+                    nisa.tensor_copy(dst=block[:, c0:c0 + cc], src=flipped)
+            v_tile = nl.ndarray((cc, d + 1), v.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=v_tile[:, 0:d], src=v[b, g, c0:c0 + cc, :])
+            nisa.memset(dst=v_tile[:, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
+            self.v_tiles[index] = v_tile
+
+
+class _QueryTile(nl.NKIObject):
+    """The online-softmax state of one 128-query tile, advanced one key step (FWD_KEY_TILE keys)
+    at a time by the pipeline stages; ``pending`` carries each step's data between stages."""
+
+    def __init__(self, q, b, h, seen, scale, softcap, keys):
+        self.q, self.b, self.h, self.seen, self.scale, self.softcap, self.keys = q, b, h, seen, scale, softcap, keys
+        self.rows, self.d, self.dtype = seen.rows, q.shape[3], q.dtype
         # Logits are exp_scale * t, t being the raw score (or tanh(scale * s / cap) with softcap).
         self.exp_scale = softcap if softcap else scale
-        self.steps = (max(0, seen.end - seen.first) + KEY_TILE - 1) // KEY_TILE
-        self.dtype_kv = q.dtype
-        self.pending = {}  # step -> (k0, kc, scores not yet turned into probabilities)
-        self.current = None  # the step in flight between phases
+        self.steps = (max(0, seen.end - seen.first) + FWD_KEY_TILE - 1) // FWD_KEY_TILE
+        self.pending = {}
 
-    def scores(self, step, bias, k_t):
-        """Scores of key tile ``step``, masked, and their probabilities with the running max/sum."""
-        if step >= self.steps:
+    def _keys(self, step):
+        k0 = self.seen.first + step * FWD_KEY_TILE
+        return k0, min(FWD_KEY_TILE, self.seen.end - k0)
+
+    def load_inputs(self, step):
+        """The step's keys; for the first step also Q^T (D on partitions) and the running state."""
+        self.keys.load(*self._keys(step))
+        if step:
             return
+        rows, d, q0 = self.rows, self.d, self.seen.q0
+        src = self.q[self.b, self.h, q0:q0 + rows, :]
+        if _two_byte(self.dtype):
+            self.q_t = []
+            for c0, dc in _tiles(d, P):
+                block = nl.ndarray((dc, rows), self.dtype, buffer=nl.sbuf)
+                nisa.dma_transpose(dst=block, src=src[:, c0:c0 + dc])
+                self.q_t.append(block)
+        else:
+            self.q_t = _transposed_blocks(src, rows, d, self.dtype)
+        if any(self.seen.masks(*self._keys(j)) for j in range(self.steps)):
+            self.seen.bounds()
+        self.neg_running_max = _column(-MAX_FLOOR, rows, nisa.engine.gpsimd)
+        self.acc = nl.ndarray((rows, d + 1), nl.float32, buffer=nl.sbuf)  # [sum_k P V | sum_k P]
+        nisa.memset(dst=self.acc, value=0.0, engine=nisa.engine.gpsimd)
+
+    def scores(self, step):
+        """S = Q K^T for key step ``step`` into PSUM (then tanh for softcap, plus the bias)."""
         seen, rows = self.seen, self.rows
-        k0 = seen.first + step * KEY_TILE
-        kc = min(KEY_TILE, seen.end - k0)
+        k0, kc = self._keys(step)
         scores = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
-        for q_block, k_block in zip(self.q_t, k_t):
-            nisa.nc_matmul(dst=scores, stationary=q_block, moving=k_block[:, k0:k0 + kc])
+        for c0, cw in _tiles(kc, MATMUL_COLUMNS):
+            for q_block, k_block in zip(self.q_t, self.keys.k_t):
+                nisa.nc_matmul(dst=scores[:, c0:c0 + cw], stationary=q_block, moving=k_block[:, k0 + c0:k0 + c0 + cw])
         t = scores
         if self.softcap:
             capped = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=capped, op=nl.tanh, data=scores, scale=self.scale / self.softcap)
             t = capped
+        bias = self.keys.bias
         if bias is not None:
             bias_tile = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=bias_tile, src=bias[min(self.b, bias.shape[0] - 1), min(self.h, bias.shape[1] - 1),
@@ -234,98 +309,102 @@ class _QueryTile(nl.NKIObject):
         self.pending[step] = (k0, kc, t)
 
     def row_max(self, step):
-        """Mask key tile ``step`` and take the row max; the new running max and its negation."""
-        if step >= self.steps:
-            return
+        """One VectorE pass: the scores out of PSUM into SBUF, masked, with their row max; then
+        the new running max (kept negated: it is the exp's bias) on GpSimd."""
         k0, kc, t = self.pending[step]
         rows = self.rows
         tile_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        logits = t
         if self.seen.masks(k0, kc):
             lower, upper = self.seen.bounds()
-            masked = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
-            nisa.range_select(dst=masked, on_true_tile=t, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
+            logits = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.range_select(dst=logits, on_true_tile=t, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
                               bound0=lower, bound1=upper, reduce_res=tile_max, reduce_op=nl.maximum, range_start=k0)
-            t = masked
+        elif t.buffer == nl.psum:
+            logits = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar_reduce(dst=logits, data=t, op0=nl.multiply, operand0=1.0, reduce_op=nl.maximum,
+                                      reduce_res=tile_max)
         else:
             nisa.tensor_reduce(dst=tile_max, op=nl.maximum, data=t, axis=1)
-        # The running max is kept negated: it is the bias of the exp, so no separate negation.
         neg_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=neg_max, data=tile_max, op0=nl.multiply, operand0=-self.exp_scale,
-                                  op1=nl.minimum, operand1=self.neg_running_max)
-        self.pending[step] = (k0, kc, t, neg_max)
+        nisa.tensor_scalar(dst=neg_max, data=tile_max, op0=nl.multiply, operand0=-self.exp_scale,
+                           op1=nl.minimum, operand1=self.neg_running_max, engine=nisa.engine.gpsimd)
+        self.pending[step] = (k0, kc, logits, self.neg_running_max, neg_max)
+        self.neg_running_max = neg_max
 
     def exponentiate(self, step):
-        """P = exp(logits - max) with its row sum, and the rescale factor of what came before."""
-        if step >= self.steps:
-            return
-        k0, kc, t, neg_max = self.pending.pop(step)
+        """P = exp(logits - max) on ScalarE, and the rescale factor of what came before."""
+        k0, kc, logits, old_neg_max, neg_max = self.pending[step]
         rows = self.rows
         correction = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # exp(old max - new max)
-        nisa.activation(dst=correction, op=nl.exp, data=self.neg_running_max, scale=-1.0, bias=neg_max)
-        probs = nl.ndarray((rows, kc), self.dtype_kv, buffer=nl.sbuf)
-        tile_sum = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.activation_reduce(dst=probs, op=nl.exp, data=t, reduce_op=nl.add, reduce_res=tile_sum,
-                               bias=neg_max, scale=self.exp_scale)
-        self.neg_running_max = neg_max
-        self.current = (k0, kc, probs, tile_sum, correction)
+        nisa.activation(dst=correction, op=nl.exp, data=old_neg_max, scale=-1.0, bias=neg_max)
+        probs = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=probs, op=nl.exp, data=logits, bias=neg_max, scale=self.exp_scale)
+        self.pending[step] = (k0, kc, probs, correction)
 
     def transpose_probs(self, step):
-        """The running sum, and P^T on TensorE (keys onto partitions for P V)."""
-        if step >= self.steps:
-            return
-        k0, kc, probs, tile_sum, correction = self.current
-        nisa.tensor_tensor(dst=self.running_sum, data1=self.running_sum, data2=correction, op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=self.running_sum, data1=self.running_sum, data2=tile_sum, op=nl.add,
-                           engine=nisa.engine.gpsimd)
-        transposed = []
+        """P^T (keys onto partitions) per 128-key block: DMA_TRANSPOSE_SHARE of the blocks by the
+        DMA engines straight into SBUF, the rest on TensorE into PSUM."""
+        k0, kc, probs, correction = self.pending[step]
+        blocks = []
         for c0, cc in _tiles(kc, P):
-            probs_t_psum = nl.ndarray((cc, self.rows), probs.dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=probs_t_psum, data=probs[:, c0:c0 + cc])
-            transposed.append((c0, cc, probs_t_psum))
-        self.current = (k0, transposed, correction)
-
-    def multiply_values(self, step, v_tiles):
-        """P V into PSUM; ScalarE evicts three of four transposed blocks, VectorE (busier) one."""
-        if step >= self.steps:
-            return
-        k0, transposed, correction = self.current
-        evicted = []
-        for j, (c0, cc, probs_t_psum) in enumerate(transposed):
-            probs_t = nl.ndarray((cc, self.rows), probs_t_psum.dtype, buffer=nl.sbuf)
-            if j % 4 == 3:
-                nisa.tensor_copy(dst=probs_t, src=probs_t_psum)
+            index = (k0 + c0) // P
+            share, period = DMA_TRANSPOSE_SHARE
+            if _two_byte(self.dtype) and index * share // period != (index + 1) * share // period:
+                probs_t = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.sbuf)
+                nisa.dma_transpose(dst=probs_t, src=probs[:, c0:c0 + cc])
             else:
-                nisa.activation(dst=probs_t, op=nl.copy, data=probs_t_psum)
+                probs_t = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.psum)
+                nisa.nc_transpose(dst=probs_t, data=probs[:, c0:c0 + cc])
+            blocks.append((c0, cc, probs_t))
+        self.pending[step] = (k0, blocks, probs, correction)
+
+    def evict_probs(self, step):
+        """The TensorE-transposed blocks out of PSUM, on ScalarE; VectorE takes one in
+        VECTOR_EVICTION_PERIOD (it already makes a full pass over the scores)."""
+        k0, blocks, probs, correction = self.pending[step]
+        evicted = []
+        for c0, cc, probs_t in blocks:
+            if probs_t.buffer == nl.psum:
+                in_sbuf = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.sbuf)
+                if ((k0 + c0) // P) % VECTOR_EVICTION_PERIOD == VECTOR_EVICTION_PERIOD - 1:
+                    nisa.tensor_copy(dst=in_sbuf, src=probs_t)
+                else:
+                    nisa.activation(dst=in_sbuf, op=nl.copy, data=probs_t)
+                probs_t = in_sbuf
             evicted.append((c0, cc, probs_t))
-        pv = nl.ndarray((self.rows, self.d), nl.float32, buffer=nl.psum)
-        for c0, cc, probs_t in evicted:
-            v_tile = v_tiles[(k0 + c0) // P]
-            nisa.nc_matmul(dst=pv, stationary=probs_t, moving=v_tile[(k0 + c0) % P:(k0 + c0) % P + cc, :])
-        self.current = (pv, correction)
+        self.pending[step] = (k0, evicted, correction)
+
+    def multiply_values(self, step):
+        """[P V | rowsum P] for the step, accumulated over its 128-key blocks in one PSUM bank."""
+        k0, blocks, correction = self.pending[step]
+        pv = nl.ndarray((self.rows, self.d + 1), nl.float32, buffer=nl.psum)
+        for c0, cc, probs_t in blocks:
+            v_tile = self.keys.v_tiles[(k0 + c0) // P]
+            first = (k0 + c0) % P
+            nisa.nc_matmul(dst=pv, stationary=probs_t, moving=v_tile[first:first + cc, :])
+        self.pending[step] = (pv, correction)
 
     def rescale(self, step):
-        """acc = acc * correction + P V."""
-        if step >= self.steps:
-            return
-        pv, correction = self.current
+        """acc = acc * correction + [P V | rowsum P]."""
+        pv, correction = self.pending.pop(step)
         nisa.scalar_tensor_tensor(dst=self.acc, data=self.acc, op0=nl.multiply, operand0=correction, op1=nl.add,
                                   operand1=pv)
 
     def finish(self, out, lse_out):
-        """out = acc / sum (a row that saw no key has acc = 0 and sum = 0, and stays 0); lse."""
-        rows, q0 = self.rows, self.seen.q0
+        """out = acc / sum on GpSimd (a row that saw no key has acc = 0 and sum = 0, and stays 0); lse."""
+        rows, d, q0 = self.rows, self.d, self.seen.q0
+        gpsimd = nisa.engine.gpsimd
         safe_sum = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=safe_sum, data=self.running_sum, op0=nl.maximum, operand0=1e-30)
-        inverse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.reciprocal(dst=inverse, data=safe_sum)
-        result = nl.ndarray((rows, self.d), self.dtype, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=result, data=self.acc, op0=nl.multiply, operand0=inverse)
+        nisa.tensor_scalar(dst=safe_sum, data=self.acc[:, d:d + 1], op0=nl.maximum, operand0=1e-30, engine=gpsimd)
+        result = nl.ndarray((rows, d), self.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=result, data=self.acc[:, 0:d], op0=nl.divide, operand0=safe_sum, engine=gpsimd)
         nisa.dma_copy(dst=out[self.b, self.h, q0:q0 + rows, :], src=result)
         lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=lse, op=nl.log, data=safe_sum)
-        nisa.tensor_tensor(dst=lse, data1=lse, data2=self.neg_running_max, op=nl.subtract)
+        nisa.tensor_tensor(dst=lse, data1=lse, data2=self.neg_running_max, op=nl.subtract, engine=gpsimd)
         nisa.dma_copy(dst=lse_out[self.b, self.h, q0:q0 + rows].reshape((rows, 1)), src=lse)
+        del self.q_t, self.acc
 
 
 @nki.jit
