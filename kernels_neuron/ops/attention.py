@@ -141,7 +141,8 @@ def _validate_op(q, k, v, bias, cu_seqlens) -> None:
         check_float_tensor("flash_attn_fwd", "bias", bias)
         if bias.dtype != torch.float32:
             raise TypeError(f"flash_attn_fwd: bias must be float32, got {bias.dtype}")
-    _kernels.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape), None if bias is None else tuple(bias.shape))
+    _kernels.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape), None if bias is None else tuple(bias.shape),
+                          k.element_size())
     if cu_seqlens is not None and (q.shape[0] != 1 or q.shape[2] != k.shape[2]):
         raise ValueError(f"flash_attn_fwd: packed sequences need batch 1 and as many queries as keys, got q "
                          f"{tuple(q.shape)} and k {tuple(k.shape)}")

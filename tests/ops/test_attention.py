@@ -437,6 +437,41 @@ def test_bad_input_gets_a_clear_error(make, match):
         flash_attention(q, k, v, **kwargs)
 
 
+# --- the longest supported sequences --------------------------------------------------------------------
+
+def _longest(fits):
+    """The most keys, in whole 128-key blocks, that ``fits`` accepts."""
+    keys = 128
+    while fits(keys + 128):
+        keys += 128
+    return keys
+
+
+@pytest.mark.parametrize("d, dtype", [(128, torch.bfloat16), (256, torch.float32)])
+def test_the_longest_supported_keys_fit_in_sbuf_and_one_more_block_is_refused(d, dtype):
+    """At the named limits the kernels run without overflowing SBUF (the simulator would raise
+    CapacityError); one 128-key block more gets a ValueError naming the limit, forward and backward."""
+    kernels, itemsize = ops._kernels, torch.tensor([], dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 130, d, generator=gen).to(dtype)
+    fwd_keys = _longest(lambda n: kernels.resident_kv_bytes(n, d, itemsize) <= kernels.MAX_RESIDENT_KV_BYTES)
+    k, v = (torch.randn(1, 1, fwd_keys, d, generator=gen).to(dtype) for _ in range(2))
+    args = (None, d ** -0.5, False, 0, 0.0, None)
+    sim.run(kernels.flash_attn_fwd, q, k, v, *args)
+    longer = torch.zeros(1, 1, fwd_keys + 128, d, dtype=dtype)
+    with pytest.raises(ValueError, match=f"{fwd_keys + 128} keys of head_dim {d}.*above the limit of"):
+        flash_attention(q, longer, longer)
+    bwd_keys = _longest(lambda n: n <= fwd_keys
+                        and kernels.resident_bwd_bytes(130, n, d, itemsize) <= kernels.MAX_RESIDENT_BWD_BYTES)
+    k, v = k[:, :, :bwd_keys], v[:, :, :bwd_keys]
+    out, lse = sim.run(kernels.flash_attn_fwd, q, k, v, *args).outputs
+    sim.run(kernels.flash_attn_bwd, q, k, v, out, out, lse, *args)
+    longer = torch.zeros(1, 1, bwd_keys + 128, d, dtype=dtype, requires_grad=True)
+    binding = "backward of 130 queries and " if bwd_keys < fwd_keys else ""
+    with pytest.raises(ValueError, match=f"{binding}{bwd_keys + 128} keys.*above the limit of"):
+        flash_attention(q.detach().requires_grad_(), longer, longer).sum().backward()
+
+
 # --- the kernel writes only what it returns -----------------------------------------------------------------
 
 @pytest.mark.parametrize("shape, dtype, bias, causal", [

@@ -38,6 +38,11 @@ KEY_TILE = 512  # backward key tile: one fp32 PSUM bank of scores per query tile
 FWD_KEY_TILE = 1024  # forward key step: two PSUM banks of scores, one running-max update per step
 MATMUL_COLUMNS = 512  # moving columns per matmul: one fp32 PSUM bank
 MAX_HEAD_DIM = 256
+# SBUF bytes per partition (of Trn2's 224 KiB) for what stays resident: in the forward a KV
+# head's K^T and V, in the backward also its fp32 dK/dV accumulators and one head's query side.
+# The rest holds working tiles; both limits are tested at their edge.
+MAX_RESIDENT_KV_BYTES = 184 * 1024
+MAX_RESIDENT_BWD_BYTES = 200 * 1024
 LANES = 4  # forward query tiles whose key steps interleave in the pipeline
 # Of every 8 probability blocks, 5 are transposed by the DMA engines and 3 on TensorE (whose
 # PSUM result ScalarE/VectorE must copy out): the split that balances DMA against ScalarE.
@@ -55,7 +60,26 @@ def _tiles(total, size):
         yield start, min(size, total - start)
 
 
-def check_shapes(q_shape, k_shape, v_shape, bias_shape=None):
+def resident_kv_bytes(keys, head_dim, itemsize):
+    """SBUF bytes per partition the forward holds for one KV head: K^T per 128 of D, V + ones column."""
+    return ((head_dim + P - 1) // P) * keys * itemsize + ((keys + P - 1) // P) * (head_dim + 1) * itemsize
+
+
+def resident_bwd_bytes(queries, keys, head_dim, itemsize):
+    """SBUF bytes per partition the backward holds: per 128 keys fp32 dK and dV; per 128 queries
+    Q and dO both ways round, the fp32 dQ accumulator, lse and delta."""
+    d_blocks = (head_dim + P - 1) // P
+    per_key_block = 2 * head_dim * 4
+    per_query_block = 2 * (d_blocks * P + head_dim) * itemsize + head_dim * 4 + 8
+    return ((keys + P - 1) // P) * per_key_block + ((queries + P - 1) // P) * per_query_block
+
+
+def _check_residency(what, needed, limit):
+    if needed > limit:
+        raise ValueError(f"flash_attn: {what} need {needed:,} bytes of SBUF per partition, above the limit of {limit:,}")
+
+
+def check_shapes(q_shape, k_shape, v_shape, bias_shape=None, itemsize=2):
     """Raise ValueError naming the op, the shape and the limit for shapes the kernel cannot take."""
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
         raise ValueError(f"flash_attn: q, k, v must be 4-D [B, H, S, D], got {q_shape}, {k_shape}, {v_shape}")
@@ -71,6 +95,8 @@ def check_shapes(q_shape, k_shape, v_shape, bias_shape=None):
         raise ValueError(f"flash_attn: head_dim {d} is outside the supported 1..{MAX_HEAD_DIM}")
     if sq < 1 or sk < 1 or b < 1:
         raise ValueError(f"flash_attn: empty input: q {tuple(q_shape)}, k {tuple(k_shape)}")
+    _check_residency(f"{sk} keys of head_dim {d} ({itemsize}-byte K and V)", resident_kv_bytes(sk, d, itemsize),
+                     MAX_RESIDENT_KV_BYTES)
     if bias_shape is not None:
         bb, bh, bq, bk = bias_shape
         if bb not in (1, b) or bh not in (1, h) or (bq, bk) != (sq, sk):
@@ -158,7 +184,7 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
         returns (out [B, H, Sq, D] of q's dtype, lse [B, H, Sq] fp32 log-sum-exp of the scaled
         logits; a row that sees no key gets a zero output and an lse near -1e30).
     """
-    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape)
+    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape, 4 if k.dtype == nl.float32 else 2)
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -430,9 +456,12 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
         instruction; dV += P^T dO and dK += dS^T Q straight from the query-major P and dS; dS^T
         on TensorE for dQ += dS K.
     """
-    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape)
+    itemsize = 4 if k.dtype == nl.float32 else 2
+    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape, itemsize)
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
+    _check_residency(f"the backward of {sq} queries and {sk} keys of head_dim {d}",
+                     resident_bwd_bytes(sq, sk, d, itemsize), MAX_RESIDENT_BWD_BYTES)
     group = heads // kv_heads
     dq = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray((batch, kv_heads, sk, d), k.dtype, buffer=nl.shared_hbm)
