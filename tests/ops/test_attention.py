@@ -191,6 +191,21 @@ def test_scale_and_fp16():
     assert (out.float() - exact).abs().max() <= 2 * torch_error
 
 
+@pytest.mark.parametrize("sq, sk", [(300, 100), (260, 3)])
+def test_queries_before_the_first_key_return_zeros_with_gradients(sq, sk):
+    """More queries than keys, causal: whole 128-query tiles see no key (the last query aligns with
+    the last key), get no work items, and must still be written: zeros, and zero gradients."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, sq, 64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 1, sk, 64, generator=gen, requires_grad=True) for _ in range(2))
+    out, expected = flash_attention(q, k, v, causal=True), attention_reference(q, k, v, causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
+    assert torch.all(out[:, :, :sq - sk] == 0)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_the_running_max_is_rescaled_across_key_steps():
     """The second forward key step holds far larger logits than the first, so the first step's
     partial output and row sum must be rescaled by exp(old max - new max) to be right."""

@@ -44,10 +44,11 @@ MAX_HEAD_DIM = 256
 MAX_RESIDENT_KV_BYTES = 184 * 1024
 MAX_RESIDENT_BWD_BYTES = 200 * 1024
 LANES = 4  # forward query tiles whose key steps interleave in the pipeline
-# Of every 8 probability blocks, 5 are transposed by the DMA engines and 3 on TensorE (whose
-# PSUM result ScalarE/VectorE must copy out): the split that balances DMA against ScalarE.
+# Of every 8 128-key probability blocks, 3 are transposed by the DMA engines and 5 on TensorE,
+# whose PSUM results ScalarE copies out, except blocks numbered -1 mod VECTOR_EVICTION_PERIOD,
+# which VectorE takes. The split balances DMA, ScalarE and VectorE in the Trn2 cost model.
 DMA_TRANSPOSE_SHARE = (3, 8)
-VECTOR_EVICTION_PERIOD = 4  # VectorE evicts one TensorE-transposed block in this many
+VECTOR_EVICTION_PERIOD = 4
 BWD_INTERLEAVE = 2  # the backward holds S and dP per query tile, plus dK/dV for the key tile, in PSUM
 FP32_MIN = -3.4028234663852886e38
 # The running max never drops below this, so a row that has seen only masked keys keeps
@@ -199,6 +200,10 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
                                                      hi if segments else sk), scale, softcap, keys)
                      for h in range(g * group, (g + 1) * group) for lo, hi in spans
                      for q0, rows in _tiles(hi - lo, P)]
+            for tile in tiles:
+                if not tile.steps:  # sees no key at all (queries before the first key): zeros
+                    tile.start()
+                    tile.finish(out, lse_out)
             items = _pipeline_order(tiles)
             # A software pipeline over (query tile, key step) items: at each tick every stage
             # works on a different item, LEAD items apart, so each engine's queue always holds
@@ -289,6 +294,12 @@ class _QueryTile(nl.NKIObject):
         k0 = self.seen.first + step * FWD_KEY_TILE
         return k0, min(FWD_KEY_TILE, self.seen.end - k0)
 
+    def start(self):
+        """The running state: max (negated) at its floor, and [sum_k P V | sum_k P] = 0."""
+        self.neg_running_max = _column(-MAX_FLOOR, self.rows, nisa.engine.gpsimd)
+        self.acc = nl.ndarray((self.rows, self.d + 1), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.acc, value=0.0, engine=nisa.engine.gpsimd)
+
     def load_inputs(self, step):
         """The step's keys; for the first step also Q^T (D on partitions) and the running state."""
         self.keys.load(*self._keys(step))
@@ -306,9 +317,7 @@ class _QueryTile(nl.NKIObject):
             self.q_t = _transposed_blocks(src, rows, d, self.dtype)
         if any(self.seen.masks(*self._keys(j)) for j in range(self.steps)):
             self.seen.bounds()
-        self.neg_running_max = _column(-MAX_FLOOR, rows, nisa.engine.gpsimd)
-        self.acc = nl.ndarray((rows, d + 1), nl.float32, buffer=nl.sbuf)  # [sum_k P V | sum_k P]
-        nisa.memset(dst=self.acc, value=0.0, engine=nisa.engine.gpsimd)
+        self.start()
 
     def scores(self, step):
         """S = Q K^T for key step ``step`` into PSUM (then tanh for softcap, plus the bias)."""
@@ -346,7 +355,7 @@ class _QueryTile(nl.NKIObject):
             logits = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
             nisa.range_select(dst=logits, on_true_tile=t, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
                               bound0=lower, bound1=upper, reduce_res=tile_max, reduce_op=nl.maximum, range_start=k0)
-        elif t.buffer == nl.psum:
+        elif not self.softcap and self.keys.bias is None:  # t is still the raw scores in PSUM
             logits = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar_reduce(dst=logits, data=t, op0=nl.multiply, operand0=1.0, reduce_op=nl.maximum,
                                       reduce_res=tile_max)
@@ -376,22 +385,23 @@ class _QueryTile(nl.NKIObject):
         for c0, cc in _tiles(kc, P):
             index = (k0 + c0) // P
             share, period = DMA_TRANSPOSE_SHARE
-            if _two_byte(self.dtype) and index * share // period != (index + 1) * share // period:
+            by_dma = _two_byte(self.dtype) and index * share // period != (index + 1) * share // period
+            if by_dma:
                 probs_t = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.sbuf)
                 nisa.dma_transpose(dst=probs_t, src=probs[:, c0:c0 + cc])
             else:
                 probs_t = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.psum)
                 nisa.nc_transpose(dst=probs_t, data=probs[:, c0:c0 + cc])
-            blocks.append((c0, cc, probs_t))
+            blocks.append((c0, cc, probs_t, by_dma))
         self.pending[step] = (k0, blocks, probs, correction)
 
     def evict_probs(self, step):
-        """The TensorE-transposed blocks out of PSUM, on ScalarE; VectorE takes one in
-        VECTOR_EVICTION_PERIOD (it already makes a full pass over the scores)."""
+        """The TensorE-transposed blocks out of PSUM: mostly on ScalarE, as VectorE already makes a
+        full pass over the scores (see VECTOR_EVICTION_PERIOD)."""
         k0, blocks, probs, correction = self.pending[step]
         evicted = []
-        for c0, cc, probs_t in blocks:
-            if probs_t.buffer == nl.psum:
+        for c0, cc, probs_t, by_dma in blocks:
+            if not by_dma:
                 in_sbuf = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.sbuf)
                 if ((k0 + c0) // P) % VECTOR_EVICTION_PERIOD == VECTOR_EVICTION_PERIOD - 1:
                     nisa.tensor_copy(dst=in_sbuf, src=probs_t)
@@ -430,7 +440,7 @@ class _QueryTile(nl.NKIObject):
         nisa.activation(dst=lse, op=nl.log, data=safe_sum)
         nisa.tensor_tensor(dst=lse, data1=lse, data2=self.neg_running_max, op=nl.subtract, engine=gpsimd)
         nisa.dma_copy(dst=lse_out[self.b, self.h, q0:q0 + rows].reshape((rows, 1)), src=lse)
-        del self.q_t, self.acc
+        self.q_t = self.acc = None
 
 
 @nki.jit
