@@ -38,7 +38,8 @@ class Hardware:
     # (nki-library ``attention_cte``) transposes every bf16 probability tile with the DMA and
     # measures ~46% of TensorE peak at 16K tokens on Trn2 (NKI-NOTES). At that speed one
     # 128x512 tile (33.5 MFLOP useful, 128 KiB of probabilities) takes ~927 ns, so the DMA
-    # transposes at least 128 KiB / 927 ns ~ 141 GB/s per core. The model uses that lower bound.
+    # transposes at least 128 KiB / 927 ns ~ 141 GB/s per core. The model uses that lower bound,
+    # which assumes the measured run executed those transposes on the DMA engines as written.
     dma_transpose_bytes_per_s: float
     min_instruction_cycles: int  # NKI-NOTES: fixed minimum of ~64 engine cycles per instruction
     vector_fast_modes: bool  # NKI-NOTES: Trn2 VectorE 2-4x modes for bf16 SBUF->SBUF work
@@ -78,7 +79,9 @@ TRN3 = Hardware(
     hbm_bytes_per_s=4900 * GB / 8,  # 4.9 TB/s per chip, 8 NeuronCores
     dma_queues=16, dma_latency_ns=1300.0,
     dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
-    dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE * 38.4 / 27.2,  # assumed: scaled by per-engine DMA speed
+    # assumed: scaled by per-engine DMA speed (AWS's NKI DMA overview: 27.2 GB/s per engine on
+    # NeuronCore-v2/v3, 38.4 GB/s on v4)
+    dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE * 38.4 / 27.2,
     min_instruction_cycles=64, vector_fast_modes=True, cross_engine_sync_ns=50.0,
 )
 

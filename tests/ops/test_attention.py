@@ -206,6 +206,35 @@ def test_queries_before_the_first_key_return_zeros_with_gradients(sq, sk):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("feature", ["causal", "window", "padding", "softcap"])
+def test_masks_and_bias_apply_past_the_first_key_step(feature):
+    """Sq = Sk = 1100 spans two forward key steps and three backward key tiles; a kernel that
+    masked, biased or capped only the first step would be off here (fp32, forward and gradients)."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 2, 1100, 64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 1, 1100, 64, generator=gen, requires_grad=True) for _ in range(2))
+    keep = torch.ones(1, 1, 1100, 1100, dtype=torch.bool)
+    keep[..., 1050:] = False
+    kwargs = {"causal": dict(causal=True), "window": dict(causal=True, window=300),
+              "padding": dict(attention_mask=keep), "softcap": dict(softcap=0.5, scale=1.0)}[feature]
+    out, expected = flash_attention(q, k, v, **kwargs), attention_reference(q, k, v, **kwargs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+def test_the_running_max_may_fall_across_key_steps():
+    """The first key step holds far larger logits than the second: the running max must keep the
+    first step's value (not take the second's), or the first step's exp overflows."""
+    step = ops._kernels.FWD_KEY_TILE
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 1, 130, 64, generator=gen)
+    k, v = (torch.randn(1, 1, step + 276, 64, generator=gen) for _ in range(2))
+    k[..., :step, :] *= 40.0
+    torch.testing.assert_close(flash_attention(q, k, v), attention_reference(q, k, v), rtol=1e-5, atol=2e-5)
+
+
 def test_the_running_max_is_rescaled_across_key_steps():
     """The second forward key step holds far larger logits than the first, so the first step's
     partial output and row sum must be rescaled by exp(old max - new max) to be right."""
@@ -229,9 +258,12 @@ def test_a_kernel_that_ignored_the_window_would_fail():
 
 # --- packed sequences -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("causal, window, softcap", [(True, None, None), (True, 7, 2.0), (False, None, None)])
-def test_varlen_matches_the_reference_per_sequence(causal, window, softcap):
-    lengths = [5, 130, 1, 40]
+@pytest.mark.parametrize("lengths, causal, window, softcap", [
+    ([5, 130, 1, 40], True, None, None), ([5, 130, 1, 40], True, 7, 2.0), ([5, 130, 1, 40], False, None, None),
+    # windows wider than the sequences, and key steps that start before a sequence's first key
+    ([100, 1200], True, 2000, None), ([700, 1200, 100], False, 1500, None), ([300, 900], True, 600, 3.0),
+], ids=lambda x: str(x))
+def test_varlen_matches_the_reference_per_sequence(lengths, causal, window, softcap):
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     total, gen = cu[-1].item(), torch.Generator().manual_seed(3)
     q = torch.randn(total, 4, 64, generator=gen)
@@ -313,18 +345,20 @@ def test_bf16_gradients_within_three_times_torchs_own_bf16_error(index, case):
     assert_gradients_like_torch(kernel, exact, _grads(attention_reference, q, k, v, kwargs, grad))
 
 
-def test_varlen_gradients_match_the_reference():
-    cu = torch.tensor([0, 3, 70, 150], dtype=torch.int32)
+@pytest.mark.parametrize("cu, window", [([0, 3, 70, 150], None), ([0, 100, 700], 2000)], ids=["short", "wide-window"])
+def test_varlen_gradients_match_the_reference(cu, window):
+    cu = torch.tensor(cu, dtype=torch.int32)
+    total, longest = cu[-1].item(), (cu[1:] - cu[:-1]).max().item()
     gen = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(150, 4, 64, generator=gen), torch.randn(150, 1, 64, generator=gen), \
-        torch.randn(150, 1, 64, generator=gen)
-    grad = torch.randn(150, 4, 64, generator=gen)
-    varlen = lambda q, k, v, **kw: flash_attn_varlen(q, k, v, cu, cu, 80, 80, **kw)  # noqa: E731
+    q, k, v = torch.randn(total, 4, 64, generator=gen), torch.randn(total, 1, 64, generator=gen), \
+        torch.randn(total, 1, 64, generator=gen)
+    grad = torch.randn(total, 4, 64, generator=gen)
+    varlen = lambda q, k, v, **kw: flash_attn_varlen(q, k, v, cu, cu, longest, longest, **kw)  # noqa: E731
 
     def reference(q, k, v, **kw):
         return attention_reference(*(x.transpose(0, 1)[None] for x in (q, k, v)), cu_seqlens=cu, **kw)[0].transpose(0, 1)
 
-    kwargs = dict(causal=True, window=20, softcap=5.0)
+    kwargs = dict(causal=True, window=window or 20, softcap=5.0)
     assert_gradients_like_torch(_grads(varlen, q, k, v, kwargs, grad), _grads(reference, q, k, v, kwargs, grad))
 
 

@@ -24,9 +24,9 @@ Tiling plan (forward)
     the rest on TensorE (then copied out of PSUM, mostly by ScalarE); TensorE accumulates
     [P V | rowsum P] over the step in PSUM (the ones column of V yields the softmax denominator);
     VectorE rescales the running output. Items of LANES query tiles interleave, so consecutive
-    items never depend on each other. Key steps wholly outside the mask are skipped, which is
-    where causal attention halves the work. The S x S scores never reach HBM: the forward writes
-    only the output and the log-sum-exp.
+    items belong to different tiles whenever there are at least two. Key steps wholly outside
+    the mask are skipped, which is where causal attention halves the work. The S x S scores
+    never reach HBM: the forward writes only the output and the log-sum-exp.
 """
 
 import nki
@@ -145,9 +145,9 @@ class _Visibility(nl.NKIObject):
     def masks(self, k0, kc):
         """Whether some row of the tile may not see some key of [k0, k0 + kc)."""
         cut_above = (self.causal and k0 + kc - 1 > self.offset + self.q0) or k0 + kc > self.end
-        top_lower = self.offset + self.q0 + self.rows - self.window if self.window else self.seg_lo
-        cut_below = k0 < top_lower if (self.window or k0 < self.seg_lo) else False
-        return cut_above or cut_below
+        # The highest per-row lower bound: the last row's window start, never below the segment.
+        top_lower = max(self.seg_lo, self.offset + self.q0 + self.rows - self.window) if self.window else self.seg_lo
+        return cut_above or k0 < top_lower
 
     def sees(self, k0, kc):
         """Whether some row of the tile sees some key of [k0, k0 + kc)."""
@@ -349,18 +349,26 @@ class _QueryTile(nl.NKIObject):
         k0, kc, t = self.pending[step]
         rows = self.rows
         tile_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        logits = t
-        if self.seen.masks(k0, kc):
-            lower, upper = self.seen.bounds()
-            logits = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
-            nisa.range_select(dst=logits, on_true_tile=t, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
-                              bound0=lower, bound1=upper, reduce_res=tile_max, reduce_op=nl.maximum, range_start=k0)
-        elif not self.softcap and self.keys.bias is None:  # t is still the raw scores in PSUM
-            logits = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar_reduce(dst=logits, data=t, op0=nl.multiply, operand0=1.0, reduce_op=nl.maximum,
-                                      reduce_res=tile_max)
-        else:
+        masked = self.seen.masks(k0, kc)
+        in_psum = not self.softcap and self.keys.bias is None  # t is still the raw scores
+        if not (masked or in_psum):
             nisa.tensor_reduce(dst=tile_max, op=nl.maximum, data=t, axis=1)
+            logits = t
+        else:
+            lower, upper = self.seen.bounds() if masked else (None, None)
+            logits = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
+            # One PSUM bank per instruction; the max accumulates across them in VectorE's register.
+            for c0, cw in _tiles(kc, MATMUL_COLUMNS):
+                command = nisa.reduce_cmd.reset_reduce if c0 == 0 else nisa.reduce_cmd.reduce
+                if masked:
+                    nisa.range_select(dst=logits[:, c0:c0 + cw], on_true_tile=t[:, c0:c0 + cw],
+                                      comp_op0=nl.greater_equal, comp_op1=nl.less_equal, bound0=lower, bound1=upper,
+                                      reduce_cmd=command, reduce_res=tile_max, reduce_op=nl.maximum,
+                                      range_start=k0 + c0)
+                else:
+                    nisa.tensor_scalar_reduce(dst=logits[:, c0:c0 + cw], data=t[:, c0:c0 + cw], op0=nl.multiply,
+                                              operand0=1.0, reduce_op=nl.maximum, reduce_res=tile_max,
+                                              reduce_cmd=command)
         neg_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=neg_max, data=tile_max, op0=nl.multiply, operand0=-self.exp_scale,
                            op1=nl.minimum, operand1=self.neg_running_max, engine=nisa.engine.gpsimd)
