@@ -149,7 +149,7 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
     slots: list[Slot | None] = [None] * count
     bandwidth = _Bandwidth()
     busy: dict[str, float] = {}
-    ready_heap: list[tuple[float, int]] = []
+    ready_heap: list[tuple[float, int, int | None]] = []
 
     def earliest_start(i: int) -> tuple[float, int | None]:
         inst = instructions[i]
@@ -160,18 +160,21 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
                 start, waited_on = finish, j
         return start, waited_on
 
+    def push(i: int) -> None:
+        # Pushed only once its dependencies are placed and it heads its lane, so its start is final.
+        start, waited_on = earliest_start(i)
+        heapq.heappush(ready_heap, (start, i, waited_on))
+
     def offer(lane: str) -> None:
         members = lanes[lane]
         if position[lane] < len(members) and waiting[members[position[lane]]] == 0:
-            i = members[position[lane]]
-            heapq.heappush(ready_heap, (earliest_start(i)[0], i))
+            push(members[position[lane]])
 
     for lane in lanes:
         offer(lane)
     while ready_heap:
-        _, i = heapq.heappop(ready_heap)
+        start, i, waited_on = heapq.heappop(ready_heap)
         inst = instructions[i]
-        start, waited_on = earliest_start(i)
         if inst.engine == "dma":
             transfer = dma_transfer_ns(inst, hw)
             end, blocker = bandwidth.reserve(start + hw.dma_latency_ns, transfer, i)
@@ -190,5 +193,5 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
         for k in dependents[i]:
             waiting[k] -= 1
             if waiting[k] == 0 and lanes[lane_of[k]][position[lane_of[k]]] == k:
-                heapq.heappush(ready_heap, (earliest_start(k)[0], k))
+                push(k)
     return Schedule(slots=slots, engine_busy_ns=busy)
