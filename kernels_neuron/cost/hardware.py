@@ -16,34 +16,36 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Hardware:
+    """Per-target speeds; fields with defaults are the same on Trn1, Trn2 and Trn3."""
+
     name: str
     tensor_ghz: float  # NKI-NOTES: TensorE clock
     vector_ghz: float  # NKI-NOTES: VectorE clock
     scalar_ghz: float  # NKI-NOTES: ScalarE clock
     gpsimd_ghz: float  # NKI-NOTES: GpSimd clock
-    pe_rows: int  # NKI-NOTES: 128x128 processing elements
-    pe_cols: int
     hbm_bytes_per_s: float  # NKI-NOTES: chip HBM bandwidth / NeuronCores per chip
-    dma_queues: int  # NKI-NOTES: 16 DMA engines per NeuronCore
-    dma_latency_ns: float  # NKI-NOTES: ~1.3 us fixed latency per transfer
-    # DMA efficiency by contiguous bytes per partition (calibrated): transfers of at most
-    # ``dma_small_bytes`` per partition reach ``dma_small_efficiency`` of the bandwidth, rising
-    # linearly to full bandwidth at ``dma_saturation_bytes`` (NKI-NOTES: >= 2 KiB per partition
-    # to be efficient, >= 4 KiB to saturate).
-    dma_small_bytes: int
-    dma_small_efficiency: float
-    dma_saturation_bytes: int
     # DMA transposes (``dma_transpose``) move 2-byte elements, not contiguous rows, so the
-    # row-efficiency rule above does not describe them. Derived: AWS's production attention
+    # row-efficiency rule below does not describe them. Derived: AWS's production attention
     # (nki-library ``attention_cte``) transposes every bf16 probability tile with the DMA and
     # measures ~46% of TensorE peak at 16K tokens on Trn2 (NKI-NOTES). At that speed one
     # 128x512 tile (33.5 MFLOP useful, 128 KiB of probabilities) takes ~927 ns, so the DMA
     # transposes at least 128 KiB / 927 ns ~ 141 GB/s per core. The model uses that lower bound,
     # which assumes the measured run executed those transposes on the DMA engines as written.
     dma_transpose_bytes_per_s: float
-    min_instruction_cycles: int  # NKI-NOTES: fixed minimum of ~64 engine cycles per instruction
     vector_fast_modes: bool  # NKI-NOTES: Trn2 VectorE 2-4x modes for bf16 SBUF->SBUF work
-    cross_engine_sync_ns: float  # assumed: semaphore hand-off between engines
+    pe_rows: int = 128  # NKI-NOTES: 128x128 processing elements
+    pe_cols: int = 128
+    dma_queues: int = 16  # NKI-NOTES: 16 DMA engines per NeuronCore
+    dma_latency_ns: float = 1300.0  # NKI-NOTES: ~1.3 us fixed latency per transfer
+    # DMA efficiency by contiguous bytes per partition (calibrated): transfers of at most
+    # ``dma_small_bytes`` per partition reach ``dma_small_efficiency`` of the bandwidth, rising
+    # linearly to full bandwidth at ``dma_saturation_bytes`` (NKI-NOTES: >= 2 KiB per partition
+    # to be efficient, >= 4 KiB to saturate).
+    dma_small_bytes: int = 1024
+    dma_small_efficiency: float = 0.25
+    dma_saturation_bytes: int = 4096
+    min_instruction_cycles: int = 64  # NKI-NOTES: fixed minimum of ~64 engine cycles per instruction
+    cross_engine_sync_ns: float = 50.0  # assumed: semaphore hand-off between engines
 
     @property
     def tensor_peak_flops(self) -> float:
@@ -59,30 +61,24 @@ _TRN2_DMA_TRANSPOSE = 128 * 512 * 2 / _TILE_SECONDS
 
 
 TRN1 = Hardware(
-    name="trn1", tensor_ghz=2.8, vector_ghz=1.12, scalar_ghz=1.4, gpsimd_ghz=1.4, pe_rows=128, pe_cols=128,
+    name="trn1", tensor_ghz=2.8, vector_ghz=1.12, scalar_ghz=1.4, gpsimd_ghz=1.4,
     hbm_bytes_per_s=820 * GB / 2,  # 820 GB/s per chip, 2 NeuronCores
-    dma_queues=16, dma_latency_ns=1300.0,
-    dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
     dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE,  # assumed: NC-v2 and NC-v3 DMA engines are equally fast
-    min_instruction_cycles=64, vector_fast_modes=False, cross_engine_sync_ns=50.0,
+    vector_fast_modes=False,
 )
 TRN2 = Hardware(
-    name="trn2", tensor_ghz=2.4, vector_ghz=0.96, scalar_ghz=1.2, gpsimd_ghz=1.2, pe_rows=128, pe_cols=128,
+    name="trn2", tensor_ghz=2.4, vector_ghz=0.96, scalar_ghz=1.2, gpsimd_ghz=1.2,
     hbm_bytes_per_s=2900 * GB / 8,  # 2.9 TB/s per chip, 8 NeuronCores
-    dma_queues=16, dma_latency_ns=1300.0,
-    dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
     dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE,
-    min_instruction_cycles=64, vector_fast_modes=True, cross_engine_sync_ns=50.0,
+    vector_fast_modes=True,
 )
 TRN3 = Hardware(
-    name="trn3", tensor_ghz=2.4, vector_ghz=1.2, scalar_ghz=1.2, gpsimd_ghz=1.2, pe_rows=128, pe_cols=128,
+    name="trn3", tensor_ghz=2.4, vector_ghz=1.2, scalar_ghz=1.2, gpsimd_ghz=1.2,
     hbm_bytes_per_s=4900 * GB / 8,  # 4.9 TB/s per chip, 8 NeuronCores
-    dma_queues=16, dma_latency_ns=1300.0,
-    dma_small_bytes=1024, dma_small_efficiency=0.25, dma_saturation_bytes=4096,
     # assumed: scaled by per-engine DMA speed (AWS's NKI DMA overview: 27.2 GB/s per engine on
     # NeuronCore-v2/v3, 38.4 GB/s on v4)
     dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE * 38.4 / 27.2,
-    min_instruction_cycles=64, vector_fast_modes=True, cross_engine_sync_ns=50.0,
+    vector_fast_modes=True,
 )
 
 HARDWARE: dict[str, Hardware] = {h.name: h for h in (TRN1, TRN2, TRN3)}
