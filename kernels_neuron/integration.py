@@ -324,13 +324,6 @@ def register_mapping(devices: tuple[str, ...] = ("neuron", "cpu"), reg: Registry
     _hook_transformers_classes(reg)
 
 
-def _layer_for(cls: type, reg: Registry) -> Layer | None:
-    """The registry layer for a module class: by class name, else by the layer name it is tagged with."""
-    by_class = {name: layer for layer in reg.layers for name in layer.classes}
-    by_tag = {layer.name: layer for layer in reg.layers}
-    return by_class.get(cls.__name__) or by_tag.get(getattr(cls, "kernel_layer_name", None))
-
-
 def _discovered_layer(cls: type, reg: Registry) -> Layer | None:
     """A layer with ``discover`` whose structure ``cls`` has (its name ends with the suffix and its
     forward is the layer's computation): e.g. any other SwiGLU/GeGLU MLP class."""
@@ -346,7 +339,7 @@ def _discovered_layer(cls: type, reg: Registry) -> Layer | None:
 def _candidates(model: nn.Module, reg: Registry) -> list[tuple[str, nn.Module, Layer]]:
     found = []
     for path, module in model.named_modules():
-        layer = _layer_for(type(module), reg) or _discovered_layer(type(module), reg)
+        layer = reg.layer_for(type(module)) or _discovered_layer(type(module), reg)
         if layer is not None:
             found.append((path or "<model>", module, layer))
     return found
@@ -359,7 +352,7 @@ def _hook_module_classes(module: types.ModuleType, reg: Registry) -> None:
     """Hook the registry's classes defined in ``module`` (by name, or tagged with a registry layer name)."""
     for cls in list(vars(module).values()):
         if isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == module.__name__:
-            layer = _layer_for(cls, reg)
+            layer = reg.layer_for(cls)
             if layer is not None:
                 _hook(cls, layer)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,19 @@ class Registry:
     def repo_id(self, repo: str) -> str:
         return f"{self.org}/{repo}"
 
-    def layer(self, name: str) -> Layer:
-        for layer in self.layers:
-            if layer.name == name:
-                return layer
-        raise KeyError(f"no layer {name!r} in the registry; known: {[l.name for l in self.layers]}")
+    @cached_property
+    def _layers_by_class(self) -> dict[str, Layer]:
+        return {name: layer for layer in self.layers for name in layer.classes}
+
+    @cached_property
+    def _layers_by_name(self) -> dict[str, Layer]:
+        return {layer.name: layer for layer in self.layers}
+
+    def layer_for(self, cls: type) -> Layer | None:
+        """The layer for a module class: by class name, else by the layer name it is tagged with
+        (transformers' ``kernel_layer_name``)."""
+        tag = getattr(cls, "kernel_layer_name", None)
+        return self._layers_by_class.get(cls.__name__) or self._layers_by_name.get(tag)
 
 
 def load(path: Path | str = REGISTRY_PATH) -> Registry:
