@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ._backend import SUPPORTED_FLOAT_DTYPES, check_float_tensor, define_op, nki_source, op_namespace, run_kernel
+from ._backend import check_float_tensor, define_op, nki_source, op_namespace, run_kernel
 
 _kernels = nki_source(__package__, "attention")
 MAX_HEAD_DIM = _kernels.MAX_HEAD_DIM
@@ -39,10 +39,7 @@ _NS = op_namespace(__name__)
 
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_FLOAT_DTYPES:
-            raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+        check_float_tensor(op, name, t, contiguous=False)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"{op}: q, k and v must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if not q.device == k.device == v.device:

@@ -56,13 +56,14 @@ def run_kernel(kernel: Callable[..., Any], *args: Any) -> Any:
     return kernel(*args)
 
 
-def check_float_tensor(op: str, name: str, tensor: torch.Tensor) -> None:
-    """Clear errors for tensors an NKI kernel cannot take."""
+def check_float_tensor(op: str, name: str, tensor: torch.Tensor, contiguous: bool = True) -> None:
+    """Clear errors for tensors an NKI kernel cannot take (``contiguous=False``: the caller makes
+    them contiguous itself)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED_FLOAT_DTYPES:
         raise TypeError(f"{op}: {name} has dtype {tensor.dtype}; supported: float32, bfloat16, float16")
-    if not tensor.is_contiguous():
+    if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{op}: {name} of shape {tuple(tensor.shape)} is not contiguous; call .contiguous() first")
 
 
