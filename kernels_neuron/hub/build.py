@@ -125,11 +125,15 @@ def build_tree(registry: Registry | None = None) -> Tree:
     return tree
 
 
+def repo_files(root: Path) -> list[Path]:
+    """The files under ``root`` that belong to a built repo (caches left by imports excluded), sorted."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and not any(part in IGNORED_PARTS for part in p.parts))
+
+
 def _on_disk(out: Path) -> Tree:
     if not out.is_dir():
         return {}
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and not any(part in IGNORED_PARTS for part in p.parts)}
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in repo_files(out)}
 
 
 def stale(out: Path = BUILD_DIR, registry: Registry | None = None) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import registry as registry_module
 from ..registry import Registry
-from .build import BUILD_DIR, IGNORED_PARTS, stale
+from .build import BUILD_DIR, repo_files, stale
 
 
 def default_cache() -> Path:
@@ -22,10 +22,6 @@ def default_cache() -> Path:
     from huggingface_hub import constants
 
     return Path(os.environ.get("KERNELS_CACHE") or constants.HF_HUB_CACHE)
-
-
-def _files(repo_dir: Path) -> list[Path]:
-    return sorted(p for p in repo_dir.rglob("*") if p.is_file() and not any(x in IGNORED_PARTS for x in p.parts))
 
 
 def install(cache: Path | str | None = None, registry: Registry | None = None,
@@ -39,7 +35,7 @@ def install(cache: Path | str | None = None, registry: Registry | None = None,
     installed = {}
     for repo in registry.repos.values():
         source = build_dir / repo.name
-        files = _files(source)
+        files = repo_files(source)
         content = hashlib.sha1()
         for path in files:
             content.update(path.relative_to(source).as_posix().encode() + b"\0" + path.read_bytes())
