@@ -185,7 +185,7 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
         returns (out [B, H, Sq, D] of q's dtype, lse [B, H, Sq] fp32 log-sum-exp of the scaled
         logits; a row that sees no key gets a zero output and an lse near -1e30).
     """
-    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape, 4 if k.dtype == nl.float32 else 2)
+    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape, _itemsize(k.dtype))
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -241,6 +241,10 @@ def _pipeline_order(tiles):
 
 def _two_byte(dtype):
     return dtype in (nl.bfloat16, nl.float16)
+
+
+def _itemsize(dtype):
+    return 2 if _two_byte(dtype) else 4
 
 
 class _KeysAndValues(nl.NKIObject):
@@ -341,16 +345,15 @@ class _QueryTile(nl.NKIObject):
             nisa.scalar_tensor_tensor(dst=biased, data=bias_tile, op0=nl.multiply, operand0=1.0 / self.exp_scale,
                                       op1=nl.add, operand1=t)
             t = biased
-        self.pending[step] = (k0, kc, t)
+        self.pending[step] = (k0, kc, t, t is scores)
 
     def row_max(self, step):
         """One VectorE pass: the scores out of PSUM into SBUF, masked, with their row max; then
         the new running max (kept negated: it is the exp's bias) on GpSimd."""
-        k0, kc, t = self.pending[step]
+        k0, kc, t, in_psum = self.pending[step]
         rows = self.rows
         tile_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         masked = self.seen.masks(k0, kc)
-        in_psum = not self.softcap and self.keys.bias is None  # t is still the raw scores
         if not (masked or in_psum):
             nisa.tensor_reduce(dst=tile_max, op=nl.maximum, data=t, axis=1)
             logits = t
@@ -474,7 +477,7 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
         instruction; dV += P^T dO and dK += dS^T Q straight from the query-major P and dS; dS^T
         on TensorE for dQ += dS K.
     """
-    itemsize = 4 if k.dtype == nl.float32 else 2
+    itemsize = _itemsize(k.dtype)
     check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape, itemsize)
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
