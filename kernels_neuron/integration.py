@@ -581,14 +581,20 @@ def register_attention(reg: Registry | None = None) -> list[str]:
     """Register the registry's attention functions with transformers (``AttentionInterface`` and, with
     transformers' sdpa mask, ``AttentionMaskInterface``); returns their names. After this,
     ``attn_implementation="kernels_neuron_attention"`` works in ``from_pretrained``/``from_config``."""
+    return list(_register_attention(reg or registry_module.load()))
+
+
+def _register_attention(reg: Registry) -> dict[str, Any]:
+    """``register_attention``'s work; returns the loaded kernel of each registered name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    reg = reg or registry_module.load()
+    loaded = {}
     for entry in reg.attention:
-        AttentionInterface.register(entry.name, _attention_dispatcher(_load_attention_kernel(reg, entry.name)))
+        loaded[entry.name] = _load_attention_kernel(reg, entry.name)
+        AttentionInterface.register(entry.name, _attention_dispatcher(loaded[entry.name]))
         AttentionMaskInterface.register(entry.name, sdpa_mask)
-    return [entry.name for entry in reg.attention]
+    return loaded
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -625,10 +631,10 @@ def _kernelize_attention(model: nn.Module, reg: Registry, requested: Mode) -> li
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if can_set is None or not can_set():
         return rows(f"{type(model).__name__} does not let transformers set its attention implementation")
-    register_attention(reg)
+    kernel = _register_attention(reg)[entry.name]
     original = model.config._attn_implementation
     for _, module in modules:
         if not hasattr(module, _ORIGINAL_ATTENTION):  # kernelizing twice keeps the model's own
             setattr(module, _ORIGINAL_ATTENTION, original if original in ("sdpa", "eager") else "sdpa")
     model.set_attn_implementation(entry.name)
-    return rows(None, _load_attention_kernel(reg, entry.name))
+    return rows(None, kernel)
