@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
@@ -48,7 +48,6 @@ class CostReport:
     compute_bound_us: float
     memory_bound_us: float
     cores: int = 1
-    notes: list[str] = field(default_factory=list)
 
     @property
     def bound(self) -> str:
