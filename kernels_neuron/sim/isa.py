@@ -607,8 +607,7 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: en
         result = _alu_apply(alu, _rows(data1), _rows(data2))
     dst.write(result.reshape(dst.shape), instr)
     runtime.current().record(eng, "tensor_tensor", reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)],
-                             alu=alu.name, any_psum=any_psum,
-                             all_bf16=all(dtypes.name(t.dtype) == "bfloat16" for t in (dst, data1, data2)))
+                             alu=alu.name)
 
 
 _SCALAR_ENGINE_COMBOS = {("multiply", "add"), ("multiply", None), ("add", None)}
@@ -663,9 +662,7 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
         values = np.broadcast_to(values, (parts, data.free_size))
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record(eng, "tensor_scalar", reads=_reads(data=data, operand0=operand0, operand1=operand1),
-                             writes=[("dst", dst)], alu=first.name,
-                             all_bf16=dtypes.name(data.dtype) == "bfloat16" and dtypes.name(dst.dtype) == "bfloat16",
-                             any_psum=data.buffer == "psum" or dst.buffer == "psum")
+                             writes=[("dst", dst)], alu=first.name)
 
 
 def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0: Any, operand0: Any, op1: Any, operand1: Tensor,
@@ -750,8 +747,7 @@ def tensor_reduce(dst: Tensor, op: Any, data: Tensor, axis: Any, negate: bool = 
         raise rule(instr, "dst", "shape does not match the reduction", dst=list(dst.shape),
                    expected_elements_per_partition=kept)
     dst.write(np.asarray(reduced).reshape(dst.shape), instr)
-    runtime.current().record("vector", "tensor_reduce", reads=[("data", data)], writes=[("dst", dst)], alu=alu.name,
-                             all_bf16=dtypes.name(data.dtype) == "bfloat16")
+    runtime.current().record("vector", "tensor_reduce", reads=[("data", data)], writes=[("dst", dst)], alu=alu.name)
 
 
 def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None = None) -> None:
