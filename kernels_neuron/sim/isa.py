@@ -507,14 +507,16 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
         product = st.T.copy()  # bit-accurate transpose mode: NaN/Inf pass through untouched
     else:
         with np.errstate(all="ignore"):
-            product = st.T.astype(np.float32) @ mv.astype(np.float32)
-    previous = dtypes.to_engine(np.asarray(dst.read())).reshape(m, n)
+            product = st.T.astype(np.float32, copy=False) @ mv.astype(np.float32, copy=False)
     if accumulate is None:
         add = dst.was_written().reshape(m, n)
     else:
         add = np.full((m, n), bool(accumulate))
-    with np.errstate(all="ignore"):
-        result = np.where(add, previous + product, product)
+    result = product
+    if add.any():
+        previous = dtypes.to_engine(np.asarray(dst.read())).reshape(m, n)
+        with np.errstate(all="ignore"):
+            result = np.where(add, previous + product, product)
     dst.write(result.reshape(dst.shape), instr)
     reads = [("stationary", stationary), ("moving", moving)]
     if add.any():
@@ -694,7 +696,7 @@ def reciprocal(dst: Tensor, data: Tensor, name: str | None = None) -> None:
     dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
     _same_layout(instr, "dst", dst, "data", data)
     with np.errstate(all="ignore"):
-        values = np.float32(1.0) / _rows(data).astype(np.float32)
+        values = np.float32(1.0) / _rows(data).astype(np.float32, copy=False)
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record("vector", "reciprocal", reads=[("data", data)], writes=[("dst", dst)])
 
@@ -871,7 +873,7 @@ def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0:
 def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, relu_param: Any = 0.0) -> np.ndarray:
     run = runtime.current()
     parts = data.partition_size
-    x = _rows(data).astype(np.float32)
+    x = _rows(data).astype(np.float32, copy=False)
     if isinstance(scale, Tensor):
         if dtypes.name(scale.dtype) != "float32":
             raise rule(instr, "scale", "a scale vector must be float32", dtype=dtypes.name(scale.dtype))
@@ -1099,7 +1101,7 @@ def max8(dst: Tensor, src: Tensor, name: str | None = None) -> None:
     instr = "nisa.max8"
     dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
     _eight(instr, dst, src)
-    values = -np.sort(-_rows(src).astype(np.float32), axis=1)[:, :8]
+    values = -np.sort(-_rows(src).astype(np.float32, copy=False), axis=1)[:, :8]
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record("vector", "max8", reads=[("src", src)], writes=[("dst", dst)])
 
@@ -1119,7 +1121,8 @@ def nc_find_index8(dst: Tensor, data: Tensor, vals: Tensor, name: str | None = N
         raise rule(instr, "dst", "must be uint16 or uint32", dtype=dtypes.name(dst.dtype))
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
-    dst.write(_find_first(_rows(data).astype(np.float32), _rows(vals).astype(np.float32)).reshape(dst.shape), instr)
+    found = _find_first(_rows(data).astype(np.float32, copy=False), _rows(vals).astype(np.float32, copy=False))
+    dst.write(found.reshape(dst.shape), instr)
     runtime.current().record("vector", "nc_find_index8", reads=[("data", data), ("vals", vals)], writes=[("dst", dst)])
 
 
@@ -1132,8 +1135,8 @@ def nc_match_replace8(dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_i
     _same_layout(instr, "dst", dst, "data", data)
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
-    rows = _rows(data).astype(np.float32).copy()
-    targets = _rows(vals).astype(np.float32)
+    rows = _rows(data).astype(np.float32, copy=False).copy()
+    targets = _rows(vals).astype(np.float32, copy=False)
     index = np.zeros(targets.shape, dtype=np.int64)
     lanes = np.arange(rows.shape[0])
     # One value at a time, each searching the row as already replaced: a value repeated in
@@ -1202,7 +1205,7 @@ def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
         raise rule(instr, "data", "free size exceeds bn_stats_fmax", free_elements=data.free_size, limit=BN_STATS_FMAX)
     if dst.partition_size != data.partition_size or dst.free_size != 6:
         raise rule(instr, "dst", "must hold 6 statistics per partition", dst=list(dst.shape))
-    rows = _rows(data).astype(np.float32)
+    rows = _rows(data).astype(np.float32, copy=False)
     out = []
     for half in (rows[:, 0::2], rows[:, 1::2]):
         count = np.float32(half.shape[1])
@@ -1221,7 +1224,7 @@ def bn_aggr(dst: Tensor, data: Tensor, name: str | None = None) -> None:
         raise rule(instr, "data", "elements per partition must be a multiple of 3", free_elements=data.free_size)
     if dst.partition_size != data.partition_size or dst.free_size != 2:
         raise rule(instr, "dst", "must hold (mean, variance) per partition", dst=list(dst.shape))
-    triples = _rows(data).astype(np.float32).reshape(data.partition_size, -1, 3)
+    triples = _rows(data).astype(np.float32, copy=False).reshape(data.partition_size, -1, 3)
     count, mean, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
     total = count.sum(axis=1)
     with np.errstate(all="ignore"):
@@ -1243,7 +1246,7 @@ def exponential(dst: Tensor, src: Tensor, max_value: Any = 0.0, reduce_res: Tens
     parts = src.partition_size
     shift = _scalar_or_vector(max_value, instr, "max_value", parts, "vector")
     with np.errstate(all="ignore"):
-        values = np.exp(_rows(src).astype(np.float32) - shift).astype(np.float32)
+        values = np.exp(_rows(src).astype(np.float32, copy=False) - shift).astype(np.float32)
     dst.write(values.reshape(dst.shape), instr)
     if _CMD(reduce_cmd) != _CMD.idle:
         _accumulate(run.vector_accumulator, parts, reduce_cmd, _OPS["add"],
