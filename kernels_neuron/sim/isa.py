@@ -273,14 +273,15 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
     instr = "nisa.dma_copy"
     dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
     dst, src = _tile(dst, instr, "dst"), _tile(src, instr, "src")
+    run = runtime.current()
     for role, t in (("dst", dst), ("src", src)):
         _where(t, instr, role, ("hbm", "sbuf"))
-        if t.on_chip and t.partition_size > runtime.current().target.partitions:
+        if t.on_chip and t.partition_size > run.target.partitions:
             raise rule(instr, role, "partition dim exceeds the partition count", partitions=t.partition_size)
     if dst.size != src.size:
         raise rule(instr, "dst/src", "element counts differ", dst=list(dst.shape), src=list(src.shape))
-    if dge_mode == _DGE.hwdge and not runtime.current().target.has_hwdge:
-        raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=runtime.current().target.name)
+    if dge_mode == _DGE.hwdge and not run.target.has_hwdge:
+        raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=run.target.name)
     if dge_mode == _DGE.hwdge and src.dtype != dst.dtype:
         raise rule(instr, "dge_mode", "hardware DGE cannot convert dtypes; view src as dst's dtype or use swdge",
                    src=dtypes.name(src.dtype), dst=dtypes.name(dst.dtype))
@@ -288,18 +289,14 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
     values, inside = _dma_read(src, instr, skip)
     if src.dtype != dst.dtype:
         values = dtypes.to_engine(values)
-    keep = None
-    if inside is not None:
-        keep = inside
-    _dma_write(dst, values, instr, skip, keep)
-    on_chip = dst if dst.on_chip else src
-    parts = on_chip.partition_size if on_chip.on_chip else 1
+    _dma_write(dst, values, instr, skip, inside)
+    parts = (dst if dst.on_chip else src).partition_size  # 1 for HBM on both sides
     hbm_side = src if not src.on_chip else dst
-    runtime.current().record(
+    run.record(
         "dma", "dma_copy", reads=[("src", src)], writes=[("dst", dst)], bytes_moved=dst.nbytes,
         partitions=parts, bytes_per_partition=dst.nbytes // max(parts, 1),
         contiguous_bytes=_contiguous_bytes(hbm_side) if hbm_side._indirect is None else dtypes.itemsize(hbm_side.dtype),
-        dge_mode=dge_mode.value if isinstance(dge_mode, enum.Enum) else str(dge_mode),
+        dge_mode=dge_mode.value,
     )
 
 
@@ -1269,9 +1266,7 @@ def rng(dst: Tensor, engine: engine = engine.unknown, name: str | None = None) -
     if not _is_int(dst):
         raise rule(instr, "dst", "must be an integer tile", dtype=dtypes.name(dst.dtype))
     bits = run.rng.integers(0, 2**32, size=dst.shape, dtype=np.uint64)
-    dst._view[...] = (bits & np.uint64((1 << (8 * dtypes.itemsize(dst.dtype))) - 1)).astype(dtypes.storage(dst.dtype))
-    if dst._buf.written is not None:
-        dst._written_view()[...] = True
+    dst.write((bits & np.uint64((1 << (8 * dtypes.itemsize(dst.dtype))) - 1)).astype(dtypes.storage(dst.dtype)), instr)
     run.record(eng, "rng", writes=[("dst", dst)])
 
 
