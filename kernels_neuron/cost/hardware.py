@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..sim import targets
+
 GB = 1e9
 
 
@@ -84,11 +86,6 @@ TRN3 = Hardware(
 HARDWARE: dict[str, Hardware] = {h.name: h for h in (TRN1, TRN2, TRN3)}
 
 
-_GENERATION_NAMES = {"gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}
-
-
 def hardware(target: str) -> Hardware:
-    key = _GENERATION_NAMES.get(target, target)
-    if key not in HARDWARE:
-        raise ValueError(f"no cost table for target {target!r}; choose one of {sorted(HARDWARE)}")
-    return HARDWARE[key]
+    """The cost table of a target, named as the simulator names targets (trn2, gen3, ...)."""
+    return HARDWARE[targets.resolve(target).name]
