@@ -82,6 +82,20 @@ class Registry:
         return self._layers_by_class.get(cls.__name__) or self._layers_by_name.get(tag)
 
 
+def _check_entry(where: str, entry: dict[str, Any], required: tuple[str, ...], repos: dict[str, Repo]) -> None:
+    for key in required:
+        if key not in entry:
+            raise ValueError(f"{where}: missing {key!r}")
+    if entry["repo"] not in repos:
+        raise ValueError(f"{where}: repo {entry['repo']!r} is not defined under [repos]")
+
+
+def _check_modes(where: str, modes: list[str]) -> None:
+    bad = set(modes) - set(MODES)
+    if bad:
+        raise ValueError(f"{where}: unknown modes {sorted(bad)}; use {MODES}")
+
+
 def load(path: Path | str = REGISTRY_PATH) -> Registry:
     """Parse and check ``registry.toml``; errors name the entry and the field."""
     path = Path(path)
@@ -103,14 +117,8 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
     layers = []
     for i, entry in enumerate(raw.get("layers", ())):
         where = f"registry: layers[{i}] ({entry.get('name', '?')})"
-        for key in ("name", "repo", "layer", "modes"):
-            if key not in entry:
-                raise ValueError(f"{where}: missing {key!r}")
-        if entry["repo"] not in repos:
-            raise ValueError(f"{where}: repo {entry['repo']!r} is not defined under [repos]")
-        bad = set(entry["modes"]) - set(MODES)
-        if bad:
-            raise ValueError(f"{where}: unknown modes {sorted(bad)}; use {MODES}")
+        _check_entry(where, entry, ("name", "repo", "layer", "modes"), repos)
+        _check_modes(where, entry["modes"])
         if "discover" in entry and "structure" not in entry.get("constraints", {}):
             raise ValueError(f"{where}: 'discover' needs a 'structure' constraint to recognise modules by")
         layers.append(Layer(name=entry["name"], repo=entry["repo"], layer=entry["layer"], modes=tuple(entry["modes"]),
@@ -119,19 +127,13 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
     attention = []
     for i, entry in enumerate(raw.get("attention", ())):
         where = f"registry: attention[{i}] ({entry.get('name', '?')})"
-        for key in ("name", "repo", "function", "modes"):
-            if key not in entry:
-                raise ValueError(f"{where}: missing {key!r}")
-        if entry["repo"] not in repos:
-            raise ValueError(f"{where}: repo {entry['repo']!r} is not defined under [repos]")
+        _check_entry(where, entry, ("name", "repo", "function", "modes"), repos)
         if entry["function"] not in repos[entry["repo"]].export_names:
             raise ValueError(f"{where}: function {entry['function']!r} is not among the exports of {entry['repo']!r}")
         if "flash" in entry["name"]:
             raise ValueError(f"{where}: the name must not contain 'flash' (transformers would treat it as a "
                              "flash-attention implementation)")
-        bad = set(entry["modes"]) - set(MODES)
-        if bad:
-            raise ValueError(f"{where}: unknown modes {sorted(bad)}; use {MODES}")
+        _check_modes(where, entry["modes"])
         attention.append(Attention(name=entry["name"], repo=entry["repo"], function=entry["function"],
                                    modes=tuple(entry["modes"])))
     return Registry(org=hub.get("org", "kernels-neuron"), license=hub.get("license", "apache-2.0"), repos=repos,
