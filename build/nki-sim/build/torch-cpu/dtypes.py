@@ -99,8 +99,7 @@ def _torch_dtype_name(dtype: Any) -> str | None:
     module = type(dtype).__module__
     if module != "torch":
         return None
-    name = str(dtype).removeprefix("torch.")
-    return {"bool": "bool", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}.get(name, name)
+    return str(dtype).removeprefix("torch.")
 
 
 def storage(dtype: DType) -> np.dtype:

@@ -273,14 +273,15 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
     instr = "nisa.dma_copy"
     dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
     dst, src = _tile(dst, instr, "dst"), _tile(src, instr, "src")
+    run = runtime.current()
     for role, t in (("dst", dst), ("src", src)):
         _where(t, instr, role, ("hbm", "sbuf"))
-        if t.on_chip and t.partition_size > runtime.current().target.partitions:
+        if t.on_chip and t.partition_size > run.target.partitions:
             raise rule(instr, role, "partition dim exceeds the partition count", partitions=t.partition_size)
     if dst.size != src.size:
         raise rule(instr, "dst/src", "element counts differ", dst=list(dst.shape), src=list(src.shape))
-    if dge_mode == _DGE.hwdge and not runtime.current().target.has_hwdge:
-        raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=runtime.current().target.name)
+    if dge_mode == _DGE.hwdge and not run.target.has_hwdge:
+        raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=run.target.name)
     if dge_mode == _DGE.hwdge and src.dtype != dst.dtype:
         raise rule(instr, "dge_mode", "hardware DGE cannot convert dtypes; view src as dst's dtype or use swdge",
                    src=dtypes.name(src.dtype), dst=dtypes.name(dst.dtype))
@@ -288,18 +289,14 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
     values, inside = _dma_read(src, instr, skip)
     if src.dtype != dst.dtype:
         values = dtypes.to_engine(values)
-    keep = None
-    if inside is not None:
-        keep = inside
-    _dma_write(dst, values, instr, skip, keep)
-    on_chip = dst if dst.on_chip else src
-    parts = on_chip.partition_size if on_chip.on_chip else 1
+    _dma_write(dst, values, instr, skip, inside)
+    parts = (dst if dst.on_chip else src).partition_size  # 1 for HBM on both sides
     hbm_side = src if not src.on_chip else dst
-    runtime.current().record(
+    run.record(
         "dma", "dma_copy", reads=[("src", src)], writes=[("dst", dst)], bytes_moved=dst.nbytes,
         partitions=parts, bytes_per_partition=dst.nbytes // max(parts, 1),
         contiguous_bytes=_contiguous_bytes(hbm_side) if hbm_side._indirect is None else dtypes.itemsize(hbm_side.dtype),
-        dge_mode=dge_mode.value if isinstance(dge_mode, enum.Enum) else str(dge_mode),
+        dge_mode=dge_mode.value,
     )
 
 
@@ -507,14 +504,16 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
         product = st.T.copy()  # bit-accurate transpose mode: NaN/Inf pass through untouched
     else:
         with np.errstate(all="ignore"):
-            product = st.T.astype(np.float32) @ mv.astype(np.float32)
-    previous = dtypes.to_engine(np.asarray(dst.read())).reshape(m, n)
+            product = st.T.astype(np.float32, copy=False) @ mv.astype(np.float32, copy=False)
     if accumulate is None:
         add = dst.was_written().reshape(m, n)
     else:
         add = np.full((m, n), bool(accumulate))
-    with np.errstate(all="ignore"):
-        result = np.where(add, previous + product, product)
+    result = product
+    if add.any():
+        previous = dtypes.to_engine(np.asarray(dst.read())).reshape(m, n)
+        with np.errstate(all="ignore"):
+            result = np.where(add, previous + product, product)
     dst.write(result.reshape(dst.shape), instr)
     reads = [("stationary", stationary), ("moving", moving)]
     if add.any():
@@ -607,8 +606,7 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: en
         result = _alu_apply(alu, _rows(data1), _rows(data2))
     dst.write(result.reshape(dst.shape), instr)
     runtime.current().record(eng, "tensor_tensor", reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)],
-                             alu=alu.name, any_psum=any_psum,
-                             all_bf16=all(dtypes.name(t.dtype) == "bfloat16" for t in (dst, data1, data2)))
+                             alu=alu.name)
 
 
 _SCALAR_ENGINE_COMBOS = {("multiply", "add"), ("multiply", None), ("add", None)}
@@ -663,9 +661,7 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
         values = np.broadcast_to(values, (parts, data.free_size))
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record(eng, "tensor_scalar", reads=_reads(data=data, operand0=operand0, operand1=operand1),
-                             writes=[("dst", dst)], alu=first.name,
-                             all_bf16=dtypes.name(data.dtype) == "bfloat16" and dtypes.name(dst.dtype) == "bfloat16",
-                             any_psum=data.buffer == "psum" or dst.buffer == "psum")
+                             writes=[("dst", dst)], alu=first.name)
 
 
 def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0: Any, operand0: Any, op1: Any, operand1: Tensor,
@@ -697,7 +693,7 @@ def reciprocal(dst: Tensor, data: Tensor, name: str | None = None) -> None:
     dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
     _same_layout(instr, "dst", dst, "data", data)
     with np.errstate(all="ignore"):
-        values = np.float32(1.0) / _rows(data).astype(np.float32)
+        values = np.float32(1.0) / _rows(data).astype(np.float32, copy=False)
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record("vector", "reciprocal", reads=[("data", data)], writes=[("dst", dst)])
 
@@ -750,8 +746,7 @@ def tensor_reduce(dst: Tensor, op: Any, data: Tensor, axis: Any, negate: bool = 
         raise rule(instr, "dst", "shape does not match the reduction", dst=list(dst.shape),
                    expected_elements_per_partition=kept)
     dst.write(np.asarray(reduced).reshape(dst.shape), instr)
-    runtime.current().record("vector", "tensor_reduce", reads=[("data", data)], writes=[("dst", dst)], alu=alu.name,
-                             all_bf16=dtypes.name(data.dtype) == "bfloat16")
+    runtime.current().record("vector", "tensor_reduce", reads=[("data", data)], writes=[("dst", dst)], alu=alu.name)
 
 
 def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None = None) -> None:
@@ -875,7 +870,7 @@ def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0:
 def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, relu_param: Any = 0.0) -> np.ndarray:
     run = runtime.current()
     parts = data.partition_size
-    x = _rows(data).astype(np.float32)
+    x = _rows(data).astype(np.float32, copy=False)
     if isinstance(scale, Tensor):
         if dtypes.name(scale.dtype) != "float32":
             raise rule(instr, "scale", "a scale vector must be float32", dtype=dtypes.name(scale.dtype))
@@ -1103,7 +1098,7 @@ def max8(dst: Tensor, src: Tensor, name: str | None = None) -> None:
     instr = "nisa.max8"
     dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
     _eight(instr, dst, src)
-    values = -np.sort(-_rows(src).astype(np.float32), axis=1)[:, :8]
+    values = -np.sort(-_rows(src).astype(np.float32, copy=False), axis=1)[:, :8]
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record("vector", "max8", reads=[("src", src)], writes=[("dst", dst)])
 
@@ -1123,7 +1118,8 @@ def nc_find_index8(dst: Tensor, data: Tensor, vals: Tensor, name: str | None = N
         raise rule(instr, "dst", "must be uint16 or uint32", dtype=dtypes.name(dst.dtype))
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
-    dst.write(_find_first(_rows(data).astype(np.float32), _rows(vals).astype(np.float32)).reshape(dst.shape), instr)
+    found = _find_first(_rows(data).astype(np.float32, copy=False), _rows(vals).astype(np.float32, copy=False))
+    dst.write(found.reshape(dst.shape), instr)
     runtime.current().record("vector", "nc_find_index8", reads=[("data", data), ("vals", vals)], writes=[("dst", dst)])
 
 
@@ -1136,8 +1132,8 @@ def nc_match_replace8(dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_i
     _same_layout(instr, "dst", dst, "data", data)
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
-    rows = _rows(data).astype(np.float32).copy()
-    targets = _rows(vals).astype(np.float32)
+    rows = _rows(data).astype(np.float32, copy=False).copy()
+    targets = _rows(vals).astype(np.float32, copy=False)
     index = np.zeros(targets.shape, dtype=np.int64)
     lanes = np.arange(rows.shape[0])
     # One value at a time, each searching the row as already replaced: a value repeated in
@@ -1206,7 +1202,7 @@ def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
         raise rule(instr, "data", "free size exceeds bn_stats_fmax", free_elements=data.free_size, limit=BN_STATS_FMAX)
     if dst.partition_size != data.partition_size or dst.free_size != 6:
         raise rule(instr, "dst", "must hold 6 statistics per partition", dst=list(dst.shape))
-    rows = _rows(data).astype(np.float32)
+    rows = _rows(data).astype(np.float32, copy=False)
     out = []
     for half in (rows[:, 0::2], rows[:, 1::2]):
         count = np.float32(half.shape[1])
@@ -1225,7 +1221,7 @@ def bn_aggr(dst: Tensor, data: Tensor, name: str | None = None) -> None:
         raise rule(instr, "data", "elements per partition must be a multiple of 3", free_elements=data.free_size)
     if dst.partition_size != data.partition_size or dst.free_size != 2:
         raise rule(instr, "dst", "must hold (mean, variance) per partition", dst=list(dst.shape))
-    triples = _rows(data).astype(np.float32).reshape(data.partition_size, -1, 3)
+    triples = _rows(data).astype(np.float32, copy=False).reshape(data.partition_size, -1, 3)
     count, mean, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
     total = count.sum(axis=1)
     with np.errstate(all="ignore"):
@@ -1247,7 +1243,7 @@ def exponential(dst: Tensor, src: Tensor, max_value: Any = 0.0, reduce_res: Tens
     parts = src.partition_size
     shift = _scalar_or_vector(max_value, instr, "max_value", parts, "vector")
     with np.errstate(all="ignore"):
-        values = np.exp(_rows(src).astype(np.float32) - shift).astype(np.float32)
+        values = np.exp(_rows(src).astype(np.float32, copy=False) - shift).astype(np.float32)
     dst.write(values.reshape(dst.shape), instr)
     if _CMD(reduce_cmd) != _CMD.idle:
         _accumulate(run.vector_accumulator, parts, reduce_cmd, _OPS["add"],
@@ -1270,9 +1266,7 @@ def rng(dst: Tensor, engine: engine = engine.unknown, name: str | None = None) -
     if not _is_int(dst):
         raise rule(instr, "dst", "must be an integer tile", dtype=dtypes.name(dst.dtype))
     bits = run.rng.integers(0, 2**32, size=dst.shape, dtype=np.uint64)
-    dst._view[...] = (bits & np.uint64((1 << (8 * dtypes.itemsize(dst.dtype))) - 1)).astype(dtypes.storage(dst.dtype))
-    if dst._buf.written is not None:
-        dst._written_view()[...] = True
+    dst.write((bits & np.uint64((1 << (8 * dtypes.itemsize(dst.dtype))) - 1)).astype(dtypes.storage(dst.dtype)), instr)
     run.record(eng, "rng", writes=[("dst", dst)])
 
 

@@ -162,7 +162,6 @@ BYPASS = Op("bypass", unary=_fp32(lambda x: x), binary=_fp32(lambda a, b: a))
 PRELU = Op("prelu", unary=_fp32(lambda x: x))  # slope comes from relu_param at the call site
 
 ALL: dict[str, Op] = {**ARITH, **COMPARE, **LOGICAL, **BITVEC, **ACTIVATION, "bypass": BYPASS, "prelu": PRELU}
-UNARY_ALU = {"abs", "rsqrt", "reciprocal", "bypass"}
 
 
 def as_alu(op: Any, instruction: str, role: str = "op") -> Op:
