@@ -116,8 +116,7 @@ def launch(kernel: Kernel, args: tuple, kwargs: dict, *, target: str | Target | 
     outputs: Any = None
     for program in np.ndindex(*grid):
         rt = runtime.Run(chosen, capacity=capacity, program_id=tuple(int(p) for p in program), grid=grid,
-                         trace=trace, shared=shared, seed=seed)
-        rt.explicit_grid = kernel.grid is not None
+                         trace=trace, shared=shared, seed=seed, explicit_grid=kernel.grid is not None)
         with runtime.activate(rt):
             hbm_args = [_to_hbm(rt, a, f"arg{i}") for i, a in enumerate(args)]
             hbm_kwargs = {k: _to_hbm(rt, v, k) for k, v in kwargs.items()}

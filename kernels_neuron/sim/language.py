@@ -235,7 +235,7 @@ def num_programs(axes: Any = 0) -> int:
 def program_ndim() -> int:
     """Dimensions of the SPMD launch grid (0 without a grid)."""
     run = runtime.current()
-    return 0 if run.grid == (1,) and not getattr(run, "explicit_grid", False) else len(run.grid)
+    return 0 if run.grid == (1,) and not run.explicit_grid else len(run.grid)
 
 
 def device_print(print_prefix: str, tensor: Tensor) -> None:

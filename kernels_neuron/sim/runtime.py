@@ -45,13 +45,14 @@ class Run:
 
     def __init__(self, target: Target, *, capacity: str = "error", program_id: tuple[int, ...] = (0,),
                  grid: tuple[int, ...] = (1,), trace: Trace | None = None,
-                 shared: dict[int, Buffer] | None = None, seed: int = 0) -> None:
+                 shared: dict[int, Buffer] | None = None, seed: int = 0, explicit_grid: bool = False) -> None:
         if capacity not in ("error", "warn"):
             raise ValueError(f"capacity must be 'error' or 'warn', got {capacity!r}")
         self.target = target
         self.capacity = capacity
         self.program_id = program_id
         self.grid = grid
+        self.explicit_grid = explicit_grid  # launched as kernel[grid] (so nl.program_ndim counts it)
         self.trace = trace if trace is not None else Trace(target.name)
         self._live = {"sbuf": 0, "psum": 0}
         self._next_id = 0
