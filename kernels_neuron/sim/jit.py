@@ -149,6 +149,9 @@ def _to_hbm(rt: runtime.Run, value: Any, name: str) -> Any:
 
 
 def _torch_to_numpy(t: Any) -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory. Through DLPack, not ``Tensor.numpy()``: that marks the
+    tensor's storage as not resizable for good, and FSDP frees unsharded parameters with
+    ``storage.resize_(0)`` after each forward."""
     import torch
 
     if t.device.type != "cpu":
@@ -157,8 +160,8 @@ def _torch_to_numpy(t: Any) -> np.ndarray:
     bits = {torch.bfloat16: (torch.int16, dtypes.bfloat16), torch.float8_e4m3fn: (torch.uint8, dtypes.float8_e4m3fn),
             torch.float8_e5m2: (torch.uint8, dtypes.float8_e5m2)}.get(t.dtype)
     if bits is not None:
-        return t.view(bits[0]).numpy().view(bits[1])
-    return t.numpy()
+        return np.from_dlpack(t.view(bits[0])).view(bits[1])
+    return np.from_dlpack(t)
 
 
 def _numpy_to_torch(a: np.ndarray) -> Any:
