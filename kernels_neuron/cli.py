@@ -149,6 +149,7 @@ def _install(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     """The registry: each layer's repo, kernel layer, modes, what it replaces, constraints, build status."""
     from kernels_neuron import hub, registry as registry_module
+    from kernels_neuron.integration import layer_limits
 
     reg = registry_module.load()
     problems = hub.stale()
@@ -166,9 +167,8 @@ def _list(args: argparse.Namespace) -> int:
         replaces = ", ".join(layer.classes) if layer.classes else f"classes tagged {layer.name!r}"
         if layer.discover:
             replaces += f"; any *{layer.discover} with this structure"
-        constraints = ", ".join(f"{k}={v}" for k, v in layer.constraints.items())
         table.add_row(layer.name, f"{reg.repo_id(layer.repo)} v{reg.repos[layer.repo].version}", layer.layer,
-                      ", ".join(layer.modes), replaces, constraints, status(layer.repo))
+                      ", ".join(layer.modes), replaces, layer_limits(reg, layer), status(layer.repo))
     for attention in reg.attention:
         table.add_row(attention.name, f"{reg.repo_id(attention.repo)} v{reg.repos[attention.repo].version}",
                       attention.function, ", ".join(attention.modes), "attention modules (AttentionInterface)",

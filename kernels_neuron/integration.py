@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import importlib
 import importlib.abc
 import inspect
 import io
@@ -29,6 +30,7 @@ import re
 import sys
 import textwrap
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,7 @@ from torch import nn
 
 from . import registry as registry_module
 from .hub.build import BUILD_DIR
+from .ops._backend import FALLBACK_ATTRIBUTE, record_fallback
 from .registry import Layer, Registry
 
 _MODE_NAMES = {"inference": Mode.INFERENCE, "training": Mode.TRAINING, "torch.compile": Mode.TORCH_COMPILE}
@@ -47,13 +50,20 @@ _MODE_NAMES = {"inference": Mode.INFERENCE, "training": Mode.TRAINING, "torch.co
 
 @dataclass(frozen=True)
 class ReportRow:
-    """One candidate module: where it is, which registry layer matched, and what happened."""
+    """One candidate module: where it is, which registry layer matched, and what happened at kernelize;
+    ``call_time_fallback`` is why a swapped module last ran its own forward since (None if it never did)."""
 
     path: str
     layer: str
     kernel: str
     status: str  # "swapped" | "fallback"
     reason: str = ""
+    module: Any = field(default=None, repr=False, compare=False)  # a weakref.ref to the module
+
+    @property
+    def call_time_fallback(self) -> str | None:
+        module = self.module() if self.module is not None else None
+        return getattr(module, FALLBACK_ATTRIBUTE, None) if self.status == "swapped" else None
 
 
 @dataclass
@@ -72,6 +82,11 @@ class KernelizeReport:
     def fallbacks(self) -> list[ReportRow]:
         return [r for r in self.rows if r.status == "fallback"]
 
+    @property
+    def call_time_fallbacks(self) -> list[ReportRow]:
+        """Swapped modules that have since run their own forward for a call the kernel could not serve."""
+        return [r for r in self.rows if r.call_time_fallback is not None]
+
     def __iter__(self):
         return iter(self.rows)
 
@@ -79,12 +94,16 @@ class KernelizeReport:
         return len(self.rows)
 
     def table(self) -> Table:
+        since = len(self.call_time_fallbacks)
         table = Table(title=f"kernels-neuron kernelize report (device={self.device}, mode={self.mode}): "
-                            f"{len(self.swapped)} swapped, {len(self.fallbacks)} kept their own forward")
+                            f"{len(self.swapped)} swapped, {len(self.fallbacks)} kept their own forward"
+                            + (f", {since} fell back at call time" if since else ""))
         for column in ("module", "layer", "kernel", "status"):
             table.add_column(column, overflow="fold")
         for row in self.rows:
             status = "[green]swapped[/]" if row.status == "swapped" else f"[yellow]fallback[/]: {row.reason}"
+            if row.call_time_fallback is not None:
+                status += f"; [yellow]fell back at call time[/]: {row.call_time_fallback}"
             table.add_row(row.path, row.layer, row.kernel, status)
         return table
 
@@ -140,23 +159,32 @@ def supports(layer: Layer, mode: Mode) -> bool:
     return any(m in _SERVED_BY.get(mode, ()) for m in _registered_modes(layer))
 
 
-def violations(layer: Layer, module: nn.Module) -> list[str]:
-    """Why ``module`` cannot take ``layer``'s kernel (empty when it can)."""
-    problems = []
-    missing = [a for a in layer.constraints.get("attributes", ()) if not hasattr(module, a)]
-    if missing:
-        problems.append(f"{type(module).__name__} has no attribute {', '.join(map(repr, missing))}")
-    bounds = layer.constraints.get("weight_size")
-    weight = getattr(module, "weight", None)
-    if bounds is not None and weight is not None:
-        size = weight.shape[0] if weight.dim() == 1 else None
-        if size is None:
-            problems.append(f"weight of shape {tuple(weight.shape)} is not 1-D")
-        elif not bounds[0] <= size <= bounds[1]:
-            problems.append(f"hidden size {size} is outside the kernel's {bounds[0]}..{bounds[1]}")
+def violations(layer: Layer, module: nn.Module, reg: Registry) -> list[str]:
+    """Why ``module`` cannot take ``layer``'s kernel (empty when it can): the registry's structure
+    constraint, a forward something else already replaced, and the layer's own checks (the same
+    ``unsupported_reasons`` its forward asks on every call)."""
     if "structure" in layer.constraints:
-        problems += _gated_mlp_problems(layer, module)
-    return problems
+        problems = _structure_problems(layer, module)
+        if problems:
+            return problems
+    replaced = vars(module).get("forward")
+    if replaced is not None and not _swapped_to(module, layer):
+        name = getattr(replaced, "__qualname__", type(replaced).__name__)
+        return [f"{type(module).__name__}'s forward was replaced by {name} (e.g. a tensor-parallel plan or an "
+                "accelerate hook), which swapping it would drop"]
+    return _layers_module(reg, layer).unsupported_reasons(layer.layer, module)
+
+
+def _layers_module(reg: Registry, layer: Layer) -> types.ModuleType:
+    """The layer's module in kernels_neuron.ops: the same source as the Hub repo's ``layers``."""
+    return importlib.import_module(f"{__package__}.ops.{reg.repos[layer.repo].layers}")
+
+
+def layer_limits(reg: Registry, layer: Layer) -> str:
+    """What a module must be for ``layer``'s kernel to serve it, in words (``kernels-neuron list``, cards)."""
+    structure = layer.constraints.get("structure")
+    prefix = f"forward with the {structure} structure; " if structure else ""
+    return prefix + _layers_module(reg, layer).LIMITS
 
 
 # --- gated MLPs -----------------------------------------------------------------------------------------
@@ -244,47 +272,17 @@ def gated_mlp_form(cls: type) -> tuple[str, str] | None:
     return None
 
 
-def _gated_mlp_problems(layer: Layer, module: nn.Module) -> list[str]:
-    from .ops._backend import dtype_name
-    from .ops.mlp import activation_kind, describe_activation
-
-    name = type(module).__name__
+def _structure_problems(layer: Layer, module: nn.Module) -> list[str]:
     form = gated_mlp_form(type(module))
     wanted = layer.constraints["structure"]
     if form is None or form[0] != wanted:
         projections = " * ".join(f"{p}(x)" for p in _MLP_STRUCTURES.get(wanted, ()))
-        return [f"{name}.forward is not the gated MLP the kernel computes (down_proj(act({projections})))"]
-    problems = []
-    linears = layer.constraints.get("linears_without_bias", ())
-    for attribute in linears:
-        linear = getattr(module, attribute, None)
-        if type(linear) is not nn.Linear:
-            problems.append(f"{name}.{attribute} is {type(linear).__name__}, not a plain nn.Linear")
-        elif linear.bias is not None:
-            problems.append(f"{name}.{attribute} has a bias (the kernel adds none)")
-        elif not linear.weight.is_contiguous():
-            problems.append(f"{name}.{attribute}.weight is not contiguous")
-    dtypes = {dtype_name(getattr(module, a).weight.dtype) for a in linears
-              if type(getattr(module, a, None)) is nn.Linear}
-    if len(dtypes) > 1:
-        problems.append(f"{name}'s projections have mixed dtypes {sorted(dtypes)}")
-    present = [a for a in layer.constraints.get("activation", ()) if hasattr(module, a)]
+        return [f"{type(module).__name__}.forward is not the gated MLP the kernel computes "
+                f"(down_proj(act({projections})))"]
+    present = [a for a in ("act_fn", "activation_fn") if hasattr(module, a)]
     if present and present[0] != form[1]:
-        problems.append(f"{name}.forward uses {form[1]} but the layer would read {present[0]}")
-    elif present and activation_kind(getattr(module, present[0])) is None:
-        problems.append(f"{name}.{present[0]}: {describe_activation(getattr(module, present[0]))}")
-    down = getattr(module, "down_proj", None)
-    if not problems and isinstance(down, nn.Linear):
-        hidden, inter = down.weight.shape
-        dtype = dtype_name(down.weight.dtype)
-        limits = layer.constraints.get("hidden_size", {})
-        if dtype not in limits:
-            problems.append(f"weights of dtype {dtype} (the kernel takes {', '.join(limits)})")
-        elif hidden > limits[dtype]:
-            problems.append(f"hidden size {hidden} is above the kernel's {limits[dtype]} for {dtype}")
-        if inter > layer.constraints.get("intermediate_size", inter):
-            problems.append(f"intermediate size {inter} is above the kernel's {layer.constraints['intermediate_size']}")
-    return problems
+        return [f"{type(module).__name__}.forward uses {form[1]} but the layer would read {present[0]}"]
+    return []
 
 
 def _ensure_local_kernels(reg: Registry) -> bool:
@@ -354,7 +352,7 @@ def _hook_module_classes(module: types.ModuleType, reg: Registry) -> None:
         if isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == module.__name__:
             layer = reg.layer_for(cls)
             if layer is not None:
-                _hook(cls, layer)
+                _hook(cls, layer, reg)
 
 
 class _HookingLoader(importlib.abc.Loader):
@@ -404,8 +402,9 @@ def _hook_transformers_classes(reg: Registry) -> None:
             _hook_module_classes(module, reg)
 
 
-def _hook(cls: type, layer: Layer) -> None:
-    kernels.replace_kernel_forward_from_hub(cls, layer.name, condition=lambda module: not violations(layer, module))
+def _hook(cls: type, layer: Layer, reg: Registry) -> None:
+    kernels.replace_kernel_forward_from_hub(cls, layer.name,
+                                            condition=lambda module: not violations(layer, module, reg))
 
 
 def _swapped_to(module: nn.Module, layer: Layer) -> bool:
@@ -497,10 +496,12 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attent
     reg = registry_module.load()
     requested = resolve_mode(model, mode)
     candidates = _candidates(model, reg)
+    for _, module, _ in candidates:  # a new report: reasons recorded at earlier calls are dropped
+        vars(module).pop(FALLBACK_ATTRIBUTE, None)
     kept = [(m, layer) for _, m, layer in candidates if not mlp and layer.repo == MLP_REPO]
     candidates = [c for c in candidates if mlp or c[2].repo != MLP_REPO]
     for cls, layer in {type(m): layer for _, m, layer in candidates}.items():
-        _hook(cls, layer)
+        _hook(cls, layer, reg)
     register_mapping(devices=tuple(dict.fromkeys((device, "cpu"))), reg=reg)
     with _quiet_kernels_logging(), _keeping_own_forward(kept):
         kernels.kernelize(model, mode=requested, device=device, use_fallback=True)
@@ -508,13 +509,14 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attent
     for path, module, layer in candidates:
         kernel = f"{reg.repo_id(layer.repo)}:{layer.layer}"
         if _swapped_to(module, layer):
-            report.rows.append(ReportRow(path, layer.name, kernel, "swapped"))
+            report.rows.append(ReportRow(path, layer.name, kernel, "swapped", module=weakref.ref(module)))
             continue
-        reasons = violations(layer, module)
+        reasons = violations(layer, module, reg)
         if not supports(layer, requested) and not reasons:
             reasons = [f"mode {_mode_name(requested)} is not among the layer's modes {list(layer.modes)}"]
         report.rows.append(ReportRow(path, layer.name, kernel, "fallback",
-                                     "; ".join(reasons) or "the kernels library kept the original forward"))
+                                     "; ".join(reasons) or "the kernels library kept the original forward",
+                                     weakref.ref(module)))
     if attention:
         report.rows += _kernelize_attention(model, reg, requested)
     model.kernels_neuron_report = report
@@ -568,7 +570,9 @@ def _own_attention(module: nn.Module, query, key, value, attention_mask, **kwarg
 def _attention_dispatcher(kernel: Any):
     def kernels_neuron_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                  is_causal=None, **kwargs):
-        if dropout or kwargs.get("s_aux") is not None or kernel.unsupported_reasons(module, training=module.training):
+        reasons = kernel.unsupported_reasons(module, module.training, query, key, value, dropout, kwargs.get("s_aux"))
+        if reasons:
+            record_fallback(module, "; ".join(reasons))
             return _own_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
         return kernel.flash_attn_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -621,7 +625,7 @@ def _kernelize_attention(model: nn.Module, reg: Registry, requested: Mode) -> li
         for path, module in modules:
             reasons = [reason] if reason else kernel.unsupported_reasons(module, training=training)
             out.append(ReportRow(path, ATTENTION_LAYER, kernel_label, "fallback" if reasons else "swapped",
-                                 "; ".join(reasons)))
+                                 "; ".join(reasons), weakref.ref(module)))
         return out
 
     wanted = [name for name, flag in _MODE_NAMES.items() if flag in requested]
@@ -634,6 +638,7 @@ def _kernelize_attention(model: nn.Module, reg: Registry, requested: Mode) -> li
     kernel = _register_attention(reg)[entry.name]
     original = model.config._attn_implementation
     for _, module in modules:
+        vars(module).pop(FALLBACK_ATTRIBUTE, None)
         if not hasattr(module, _ORIGINAL_ATTENTION):  # kernelizing twice keeps the model's own
             setattr(module, _ORIGINAL_ATTENTION, original if original in ("sdpa", "eager") else "sdpa")
     model.set_attn_implementation(entry.name)

@@ -34,9 +34,11 @@ def model_card(repo: Repo, registry: Registry, variants: list[str]) -> str:
                 if layer.discover:
                     replaces += f", and any other `*{layer.discover}` class whose forward has the `{layer.constraints['structure']}` structure"
                 lines.append(f"| `{layer.layer}` | {replaces} | {', '.join(layer.modes)} |")
-            lines += ["", "Constraints a module must meet to be swapped (others keep their own forward):", ""]
+            from ..integration import layer_limits
+
+            lines += ["", "What a module must be to be swapped (others keep their own forward; each call checks again):", ""]
             for layer in layers:
-                lines.append(f"- `{layer.name}`: " + ", ".join(f"{k} = {v}" for k, v in layer.constraints.items()))
+                lines.append(f"- `{layer.name}`: {layer_limits(registry, layer)}")
         lines += _attention_section(repo, registry)
     lines += ["", "Speed figures for these kernels from kernels-neuron are modelled (a cost-model estimate), "
                   "not measured on hardware.", ""]

@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import torch
 
+from ._backend import SUPPORTED_FLOAT_DTYPES, is_dtensor
 from .attention import MAX_HEAD_DIM, _offsets, flash_attention, flash_attn_varlen
 
 _OP = "flash_attn_forward"
@@ -27,11 +28,15 @@ _OP = "flash_attn_forward"
 
 # --- transformers' attention function -------------------------------------------------------------------
 
-def unsupported_reasons(module: Optional[torch.nn.Module] = None, training: bool = False) -> list[str]:
-    """Why the kernel cannot serve this transformers attention module (empty when it can)."""
+def unsupported_reasons(module: Optional[torch.nn.Module] = None, training: bool = False,
+                        query: Optional[torch.Tensor] = None, key: Optional[torch.Tensor] = None,
+                        value: Optional[torch.Tensor] = None, dropout: float = 0.0,
+                        s_aux: Optional[torch.Tensor] = None) -> list[str]:
+    """Why the kernel cannot serve this transformers attention module (empty when it can); given the
+    call's tensors and options, also why it cannot serve that call."""
+    reasons = _call_reasons(query, key, value, dropout, s_aux)
     if module is None:
-        return []
-    reasons = []
+        return reasons
     config = getattr(module, "config", None)
     head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
     if head_dim is not None and head_dim > MAX_HEAD_DIM:
@@ -42,10 +47,27 @@ def unsupported_reasons(module: Optional[torch.nn.Module] = None, training: bool
         reasons.append(f"value head dim {v_head_dim} differs from the query/key head dim {qk_head_dim}")
     if getattr(module, "sinks", None) is not None:
         reasons.append("attention sinks (s_aux) are not supported")
-    if training:
+    if training and not dropout:
         dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
         if dropout > 0:
             reasons.append(f"attention dropout {dropout} in training: the kernel has no dropout")
+    return reasons
+
+
+def _call_reasons(query, key, value, dropout, s_aux) -> list[str]:
+    reasons = [f"dropout {dropout}: the kernel has no dropout"] if dropout else []
+    if s_aux is not None:
+        reasons.append("attention sinks (s_aux) are not supported")
+    tensors = [(name, t) for name, t in (("query", query), ("key", key), ("value", value)) if t is not None]
+    for name, tensor in tensors:
+        if is_dtensor(tensor):
+            reasons.append(f"the {name} is a DTensor")
+        elif tensor.dtype not in SUPPORTED_FLOAT_DTYPES:
+            reasons.append(f"the {name} has dtype {tensor.dtype} (the kernel takes float32, bfloat16, float16)")
+    if query is not None and query.shape[-1] > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {query.shape[-1]} is above the kernel's limit of {MAX_HEAD_DIM}")
+    if key is not None and value is not None and key.shape[-1] != value.shape[-1]:
+        reasons.append(f"value head dim {value.shape[-1]} differs from the key head dim {key.shape[-1]}")
     return reasons
 
 
@@ -82,6 +104,19 @@ def flash_attn_forward(module: Optional[torch.nn.Module], query: torch.Tensor, k
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     sq, sk = query.shape[2], key.shape[2]
+    packed = _packed_sequences(query, key, attention_mask, kwargs)
+    if packed is not None:
+        return _packed_attention(query, key, value, packed, scaling, bool(is_causal), window, softcap, dropout), None
+    runs = _padding_runs(attention_mask, sq, sk, int(window or 0)) if is_causal else None
+    if runs is not None and sq == sk and all(end == sk for _, end in runs):  # left padding: the valid tokens, packed
+        return _unpadded_attention(query, key, value, runs, scaling, window, softcap, dropout), None
+    if runs is not None:  # right padding: causal tiles skipped, the padded keys masked by a bias
+        keys_kept = torch.zeros(len(runs), 1, 1, sk, dtype=torch.bool, device=query.device)
+        for b, (start, end) in enumerate(runs):
+            keys_kept[b, ..., start:end] = True
+        out = flash_attention(query, key, value, attention_mask=keys_kept, scale=scaling, causal=True,
+                              window=int(window) if window else None, softcap=softcap, dropout=dropout)
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is None:
         causal = bool(is_causal) and sq > 1
         if causal and sk > sq:  # prefill into an empty static cache: sdpa's top-left causal mask
@@ -92,6 +127,81 @@ def flash_attn_forward(module: Optional[torch.nn.Module], query: torch.Tensor, k
     out = flash_attention(query, key, value, attention_mask=attention_mask, scale=scaling, causal=causal,
                           window=window, softcap=softcap, dropout=dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+# --- packed sequences and padding as sequences -----------------------------------------------------------
+# Packed and padded batches arrive as dense masks; the kernel runs them faster as sequences it can skip
+# whole key tiles of. Each route is taken only when it computes exactly what the mask says.
+
+def _packed_sequences(query, key, attention_mask, kwargs) -> Optional[torch.Tensor]:
+    """cu_seqlens of the sequences packed into a batch of one: transformers' ``cu_seq_lens_q/k``
+    (TRL's padding-free batches), else ``position_ids`` that restart (as transformers' masks read
+    them: a new sequence wherever the position does not grow by 1). None when not packed, and while
+    torch.compile traces (the sequences are data)."""
+    total = query.shape[2]
+    if query.shape[0] != 1 or key.shape[2] != total or torch.compiler.is_compiling():
+        return None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        if cu_q.shape == cu_k.shape and torch.equal(cu_q, cu_k) and int(cu_q[-1]) == total:
+            return cu_q
+        return None
+    positions = kwargs.get("position_ids")
+    if positions is None or attention_mask is None or positions.numel() != total or attention_mask.dtype != torch.bool:
+        return None
+    starts = (positions.reshape(-1).diff() != 1).nonzero().reshape(-1) + 1
+    # A padded key is masked for every query, its own included: a mask whose diagonal is all True has none.
+    if starts.numel() == 0 or not bool(attention_mask[0, 0].diagonal().all()):
+        return None
+    edges = torch.tensor([0, total], device=starts.device)
+    return torch.cat([edges[:1], starts, edges[1:]]).to(torch.int32)
+
+
+def _packed_attention(query, key, value, cu_seqlens, scaling, causal, window, softcap, dropout) -> torch.Tensor:
+    """[1, H, S, D] packed sequences through the kernel's sequence path -> [1, S, H, D]."""
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scaling, causal=causal,
+                            window=int(window) if causal and window else None, softcap=softcap, dropout=dropout)
+    return out.unsqueeze(0)
+
+
+def _padding_runs(mask, sq: int, sk: int, window: int) -> Optional[list[tuple[int, int]]]:
+    """Per batch row the run ``[start, end)`` of keys a padding mask keeps, when the bool mask
+    ``[B, 1, Sq, Sk]`` is exactly causal (bottom-right, within ``window``) and those keys; else None."""
+    if (mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
+            or tuple(mask.shape[2:]) != (sq, sk) or torch.compiler.is_compiling()):
+        return None
+    i = torch.arange(sq, device=mask.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=mask.device)[None, :]
+    visible = (j <= i) & ((j > i - window) if window else True)
+    kept = mask[:, 0].any(dim=1)  # [B, Sk]
+    if not torch.equal(mask[:, 0], visible[None] & kept[:, None, :]):
+        return None
+    runs = []
+    for row in kept:
+        indices = row.nonzero().reshape(-1)
+        if indices.numel() == 0 or int(indices[-1] - indices[0]) + 1 != indices.numel():
+            return None  # no key, or kept keys with a gap
+        runs.append((int(indices[0]), int(indices[-1]) + 1))
+    return runs
+
+
+def _unpadded_attention(query, key, value, runs, scaling, window, softcap, dropout) -> torch.Tensor:
+    """[B, H, S, D] with row b's tokens ``runs[b]`` kept (left padding) through the sequence path, as
+    transformers' flash-attention path unpads: padded queries see no key, and get zeros -> [B, S, H, D]."""
+    batch, heads, seq, d = query.shape
+    rows = torch.cat([torch.arange(b * seq + start, b * seq + end) for b, (start, end) in enumerate(runs)])
+    rows = rows.to(query.device)
+    q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], d)[rows] for x in (query, key, value))
+    lengths = torch.tensor([0] + [end - start for start, end in runs])
+    cu = lengths.cumsum(0).to(torch.int32).to(query.device)
+    longest = int(lengths.max())
+    packed = flash_attn_varlen(q, k, v, cu, cu, longest, longest, scale=scaling, causal=True,
+                               window=int(window) if window else None, softcap=softcap, dropout=dropout)
+    out = packed.new_zeros(batch * seq, heads, d)
+    out[rows] = packed
+    return out.reshape(batch, seq, heads, d)
 
 
 # --- FlashAttention-2's functions -----------------------------------------------------------------------

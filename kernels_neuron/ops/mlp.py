@@ -15,17 +15,26 @@ forward's three GEMMs (a third more backward FLOPs, plus the weight transposes),
 them costs one extra [T, 2I] write in the forward and one read in the backward -- what PyTorch's
 own autograd keeps for the unfused module. The inference forward saves nothing: the [T, I]
 intermediate never leaves the chip.
+
+Low-rank (LoRA) updates: ``gated_mlp(..., updates=)`` adds ``scale * b @ a`` to a weight. An
+update inside the nonlinearity (gate, up) cannot be applied after the fused kernel, so each
+weight's updates are merged into it first, ``W' = W + sum scale * b @ a`` (in fp32, then cast to
+the compute dtype, as PEFT's ``merge_and_unload`` merges). Their gradients follow from the merged
+weight's: with ``dW'`` from the kernel's backward, ``da = scale * b^T dW'`` and
+``db = scale * dW' a^T``. The merged weights are rebuilt in the backward rather than kept: they are
+the size of the weights (3 * H * I per layer), which would otherwise stay alive from each layer's
+forward to its backward (and, under FSDP, defeat the freeing of unsharded weights).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ._backend import check_float_tensor, define_op, dtype_name, nki_source, op_namespace, run_kernel
+from ._backend import autocast_dtype, check_float_tensor, define_op, dtype_name, nki_source, op_namespace, run_kernel
 
 _kernels = nki_source(__package__, "mlp")
 ACTIVATIONS = _kernels.ACTIVATIONS
@@ -150,18 +159,82 @@ def _backward(ctx, grad_out, _grad_saved):
 torch.library.register_autograd(f"{_NS}::mlp_fwd", _backward, setup_context=_setup_context)
 
 
+class LowRankUpdate(NamedTuple):
+    """``scale * b @ a`` added to a weight ``[out, in]``: a LoRA adapter's ``lora_A.weight`` (``a``,
+    ``[r, in]``), ``lora_B.weight`` (``b``, ``[out, r]``) and scaling."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+def _merge(weight: torch.Tensor, updates: Sequence[LowRankUpdate], dtype: torch.dtype) -> torch.Tensor:
+    merged = weight.float()
+    for update in updates:
+        merged = merged + update.scale * (update.b.float() @ update.a.float())
+    return merged.to(dtype)
+
+
+class _GatedMLPWithUpdates(torch.autograd.Function):
+    """The fused MLP over merged weights, rebuilt in the backward instead of saved (module docstring).
+    ``owners[i]`` is the weight (0 gate, 1 up, 2 down) that update ``i`` belongs to; ``factors``
+    holds each update's ``a`` and ``b``."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, activation, owners, scales, *factors):
+        weights = (w_gate, w_up, w_down)
+        merged = _merged_weights(weights, owners, scales, factors, x.dtype)
+        out, saved = mlp_fwd(x, *merged, activation, True)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, saved, *factors)
+        ctx.activation, ctx.owners, ctx.scales = activation, owners, scales
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_gate, w_up, w_down, saved, *factors = ctx.saved_tensors
+        weights = (w_gate, w_up, w_down)
+        merged = _merged_weights(weights, ctx.owners, ctx.scales, factors, x.dtype)
+        dx, dw_gate, dw_up, dw_down = mlp_bwd(grad_out, x, *merged, saved, ctx.activation)
+        d_merged = (dw_gate, dw_up, dw_down)
+        d_factors = []
+        for owner, scale, a, b in zip(ctx.owners, ctx.scales, factors[0::2], factors[1::2]):
+            d_weight = d_merged[owner].float()
+            d_factors += [(scale * (b.float().t() @ d_weight)).to(a.dtype), (scale * (d_weight @ a.float().t())).to(b.dtype)]
+        d_weights = [None if w is None or not needed else d.to(w.dtype)
+                     for w, d, needed in zip(weights, d_merged, ctx.needs_input_grad[1:4])]
+        return (dx, *d_weights, None, None, None, *d_factors)
+
+
+def _merged_weights(weights, owners, scales, factors, dtype):
+    return tuple(None if w is None else _merge(w, [LowRankUpdate(a, b, scale) for o, scale, a, b in
+                                                    zip(owners, scales, factors[0::2], factors[1::2]) if o == i], dtype)
+                 for i, w in enumerate(weights))
+
+
 def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
-              activation: str = "silu") -> torch.Tensor:
+              activation: str = "silu",
+              updates: Optional[Sequence[Sequence[LowRankUpdate]]] = None) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` over the last dim of ``x`` (any leading shape) with the NKI kernel.
 
     Weights in the ``nn.Linear`` layout: ``w_gate``/``w_up`` [I, H], ``w_down`` [H, I]; or Phi3's
     fused gate_up weight [2I, H] (gate rows first) as ``w_gate`` with ``w_up=None``.
     ``activation``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh-approximated GELU).
     x may be non-contiguous (it is copied); the weights must be contiguous (a copy per call would
-    cost a full weight read and write, so it is refused rather than hidden).
+    cost a full weight read and write, so it is refused rather than hidden). Under ``torch.autocast``
+    x and the weights are cast to the autocast dtype, as ``nn.Linear`` casts them.
+    ``updates``: per weight (gate, up, down; up's is empty for a fused gate_up weight) the
+    ``LowRankUpdate``s added to it, e.g. LoRA adapters; they are merged into the weights in x's
+    (compute) dtype, and receive gradients.
     """
     if isinstance(x, torch.Tensor):
         x = x.contiguous()
+        dtype = autocast_dtype(x)
+        if dtype is not None:
+            x = x.to(dtype)
+            if not updates or not any(updates):
+                w_gate, w_up, w_down = (t if t is None else t.to(dtype) for t in (w_gate, w_up, w_down))
+    if updates and any(updates):
+        return _gated_mlp_with_updates(x, w_gate, w_up, w_down, activation, updates)
     validate(x, w_gate, w_up, w_down, activation)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down))
@@ -169,14 +242,48 @@ def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: Optional[torch.Tensor
     return out.reshape(x.shape)
 
 
+def _gated_mlp_with_updates(x, w_gate, w_up, w_down, activation, updates) -> torch.Tensor:
+    if len(updates) != 3:
+        raise ValueError(f"{_OP}: updates must list the updates of the gate, up and down weights (3 lists), "
+                         f"got {len(updates)}")
+    if w_up is None and updates[1]:
+        raise ValueError(f"{_OP}: a fused gate_up weight takes its updates in the gate list, not the up list")
+    owners, scales, factors = [], [], []
+    for owner, (weight, weight_updates) in enumerate(zip((w_gate, w_up, w_down), updates)):
+        for update in weight_updates:
+            if weight is not None and (update.b.shape[0], update.a.shape[1]) != tuple(weight.shape):
+                raise ValueError(f"{_OP}: a low-rank update b {tuple(update.b.shape)} @ a {tuple(update.a.shape)} "
+                                 f"does not match the {('gate', 'up', 'down')[owner]} weight {tuple(weight.shape)}")
+            owners.append(owner)
+            scales.append(float(update.scale))
+            factors += [update.a, update.b]
+    check_float_tensor(_OP, "x", x)
+    if x.dim() < 1 or x.numel() == 0:
+        raise ValueError(f"{_OP}: x of shape {tuple(x.shape)} is empty (no tokens)")
+    # mlp_fwd validates the merged weights (shapes, limits, dtypes) when the function runs
+    out = _GatedMLPWithUpdates.apply(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down, activation, tuple(owners),
+                                     tuple(scales), *factors)
+    return out.reshape(x.shape)
+
+
 def gated_mlp_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
-                        activation: str = "silu") -> torch.Tensor:
-    """Pure torch, the same computation as transformers' LlamaMLP (and Phi3MLP for a fused weight)."""
+                        activation: str = "silu",
+                        updates: Optional[Sequence[Sequence[LowRankUpdate]]] = None) -> torch.Tensor:
+    """Pure torch, the same computation as transformers' LlamaMLP (and Phi3MLP for a fused weight), with
+    each low-rank update applied as PEFT's LoRA layer applies it: ``linear(x, W) + scale * b(a(x))``."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_mlp_reference: activation {activation!r} is not one of {ACTIVATIONS}")
     act = F.silu if activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+    gate_updates, up_updates, down_updates = updates or ((), (), ())
+
+    def project(t, weight, weight_updates):
+        out = F.linear(t, weight)
+        for update in weight_updates:
+            out = out + update.scale * F.linear(F.linear(t, update.a), update.b)
+        return out
+
     if w_up is None:
-        gate, up = F.linear(x, w_gate).chunk(2, dim=-1)
+        gate, up = project(x, w_gate, gate_updates).chunk(2, dim=-1)
     else:
-        gate, up = F.linear(x, w_gate), F.linear(x, w_up)
-    return F.linear(act(gate) * up, w_down)
+        gate, up = project(x, w_gate, gate_updates), project(x, w_up, up_updates)
+    return project(act(gate) * up, w_down, down_updates)

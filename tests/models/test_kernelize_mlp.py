@@ -312,7 +312,7 @@ def test_the_wrong_activation_fails_the_logits_check(monkeypatch):
     assert_logits_match(model, reference, input_ids())
     namespace = _mlp_globals(model)
     real = namespace["gated_mlp"]
-    monkeypatch.setitem(namespace, "gated_mlp", lambda x, wg, wu, wd, activation: real(x, wg, wu, wd, "silu"))
+    monkeypatch.setitem(namespace, "gated_mlp", lambda x, wg, wu, wd, activation, updates=None: real(x, wg, wu, wd, "silu", updates))
     with pytest.raises(AssertionError, match="not close"):
         assert_logits_match(model, reference, input_ids())
 

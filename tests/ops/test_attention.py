@@ -497,9 +497,10 @@ def _longest(fits):
 
 
 @pytest.mark.parametrize("d, dtype", [(128, torch.bfloat16), (256, torch.float32)])
-def test_the_longest_supported_keys_fit_in_sbuf_and_one_more_block_is_refused(d, dtype):
+def test_the_longest_keys_one_launch_holds_fit_in_sbuf_and_one_more_block_is_refused(d, dtype):
     """At the named limits the kernels run without overflowing SBUF (the simulator would raise
-    CapacityError); one 128-key block more gets a ValueError naming the limit, forward and backward."""
+    CapacityError); one 128-key block more and the kernel itself refuses with a ValueError naming the
+    limit, forward and backward (the op splits such inputs into launches: test_attention_launches.py)."""
     kernels, itemsize = ops._kernels, torch.tensor([], dtype=dtype).element_size()
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 1, 130, d, generator=gen).to(dtype)
@@ -509,16 +510,17 @@ def test_the_longest_supported_keys_fit_in_sbuf_and_one_more_block_is_refused(d,
     sim.run(kernels.flash_attn_fwd, q, k, v, *args)
     longer = torch.zeros(1, 1, fwd_keys + 128, d, dtype=dtype)
     with pytest.raises(ValueError, match=f"{fwd_keys + 128} keys of head_dim {d}.*above the limit of"):
-        flash_attention(q, longer, longer)
+        sim.run(kernels.flash_attn_fwd, q, longer, longer, *args)
     bwd_keys = _longest(lambda n: n <= fwd_keys
                         and kernels.resident_bwd_bytes(130, n, d, itemsize) <= kernels.MAX_RESIDENT_BWD_BYTES)
     k, v = k[:, :, :bwd_keys], v[:, :, :bwd_keys]
     out, lse = sim.run(kernels.flash_attn_fwd, q, k, v, *args).outputs
     sim.run(kernels.flash_attn_bwd, q, k, v, out, out, lse, *args)
-    longer = torch.zeros(1, 1, bwd_keys + 128, d, dtype=dtype, requires_grad=True)
+    longer = torch.zeros(1, 1, bwd_keys + 128, d, dtype=dtype)
+    out, lse = torch.zeros(1, 1, 130, d, dtype=dtype), torch.zeros(1, 1, 130)
     binding = "backward of 130 queries and " if bwd_keys < fwd_keys else ""
     with pytest.raises(ValueError, match=f"{binding}{bwd_keys + 128} keys.*above the limit of"):
-        flash_attention(q.detach().requires_grad_(), longer, longer).sum().backward()
+        sim.run(kernels.flash_attn_bwd, q, longer, longer, out, out, lse, *args)
 
 
 # --- the kernel writes only what it returns -----------------------------------------------------------------

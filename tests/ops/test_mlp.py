@@ -298,3 +298,66 @@ def test_each_accepted_activation_computes_what_the_kernel_computes(name):
     kind = activation_kind(activations.ACT2FN[name])
     ref = torch.nn.functional.silu(x) if kind == "silu" else torch.nn.functional.gelu(x, approximate="tanh")
     torch.testing.assert_close(activations.ACT2FN[name](x), ref, rtol=1e-6, atol=1e-6)
+
+
+# --- low-rank (LoRA) updates ---------------------------------------------------------------------------
+
+def _updates(shape, rank=4, seed=7, fused=False):
+    """One or two low-rank updates per weight, with non-zero b (a LoRA b starts at zero)."""
+    *_, hidden, inter = shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def update(out, inp, scale):
+        return mlp_op.LowRankUpdate((torch.randn(rank, inp, generator=gen) / 10).requires_grad_(),
+                                    (torch.randn(out, rank, generator=gen) / 10).requires_grad_(), scale)
+
+    gate_rows = 2 * inter if fused else inter
+    return ([update(gate_rows, hidden, 2.0), update(gate_rows, hidden, 0.5)], [] if fused else [update(inter, hidden, 2.0)],
+            [update(hidden, inter, 1.5)])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused_gate_up"])
+def test_low_rank_updates_match_peft_style_application_and_get_gradients(fused):
+    """W + scale * b @ a inside the fused kernel equals applying each update beside the linear (as PEFT's
+    LoRA layer does), and a, b (and x) get the same gradients; the frozen base weights get none."""
+    shape = (2, 40, 96, 160)
+    x, w_gate, w_up, w_down = _inputs(shape, torch.float32, fused)
+    x.requires_grad_()
+    updates = _updates(shape, fused=fused)
+    factors = [t for weight_updates in updates for u in weight_updates for t in (u.a, u.b)]
+    with sim.capture() as traces:
+        out = gated_mlp(x, w_gate, w_up, w_down, "silu", updates=updates)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        got = torch.autograd.grad(out, [x, *factors], grad)
+    assert _launches(traces, "mlp_fwd") == 1 and _launches(traces, "mlp_bwd") == 1
+    expected = gated_mlp_reference(x, w_gate, w_up, w_down, "silu", updates=updates)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    without = gated_mlp_reference(x, w_gate, w_up, w_down, "silu")
+    assert (expected - without).abs().max() > 1e-2, "the updates change nothing: the check would prove nothing"
+    want = torch.autograd.grad(expected, [x, *factors], grad)
+    for g, w in zip(got, want):
+        scale = w.abs().max()
+        assert scale > 0
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_low_rank_updates_under_bf16_stay_within_torchs_own_bf16_error():
+    shape = (64, 128, 256)
+    args = _inputs(shape, torch.bfloat16)
+    updates = _updates(shape)
+    exact = gated_mlp_reference(*_fp32(args), "silu", updates=updates)
+    torch_error = (gated_mlp_reference(*args, "silu", updates=[[u._replace(a=u.a.bfloat16(), b=u.b.bfloat16())
+                                                                 for u in w] for w in updates]).float() - exact).abs().max()
+    kernel_error = (gated_mlp(*args, "silu", updates=updates).float() - exact).abs().max()
+    assert torch_error > 0 and kernel_error <= 2 * torch_error, (kernel_error, torch_error)
+
+
+@pytest.mark.parametrize("updates, match", [
+    (lambda u: u[:2], "3 lists"),
+    (lambda u: [u[0], u[1], [u[2][0]._replace(a=torch.zeros(4, 10))]], "does not match the down weight"),
+], ids=["two-lists", "wrong-shape"])
+def test_bad_low_rank_updates_get_a_clear_error(updates, match):
+    shape = (8, 96, 160)
+    args = _inputs(shape, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        gated_mlp(*args, "silu", updates=updates(_updates(shape)))

@@ -8,6 +8,7 @@ the simulator elsewhere (the Hub's cpu variant installs it from its ``nki-sim`` 
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -65,6 +66,46 @@ def check_float_tensor(op: str, name: str, tensor: torch.Tensor, contiguous: boo
         raise TypeError(f"{op}: {name} has dtype {tensor.dtype}; supported: float32, bfloat16, float16")
     if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{op}: {name} of shape {tuple(tensor.shape)} is not contiguous; call .contiguous() first")
+
+
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs matmul-like ops in on ``tensor``'s device, or None when
+    autocast is off there. The ops cast to it as ``nn.Linear`` and sdpa do under autocast; the
+    custom ops themselves are not autocast-aware (torch passes their inputs through unchanged)."""
+    device_type = tensor.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed`` DTensor (a sharded or replicated parameter)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+FALLBACK_ATTRIBUTE = "kernels_neuron_fallback"  # why a swapped module last ran its own forward
+_warned: set[tuple[str, str]] = set()
+
+
+def record_fallback(module: torch.nn.Module, reason: str) -> None:
+    """Keep on ``module`` why the kernel did not serve this call (kernelize's report shows it) and
+    warn once per class and reason. Nothing is recorded while torch.compile traces the call."""
+    if torch.compiler.is_compiling():
+        return
+    setattr(module, FALLBACK_ATTRIBUTE, reason)
+    key = (type(module).__qualname__, reason)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"kernels-neuron: {type(module).__name__} runs its own forward: {reason}", stacklevel=4)
+
+
+def own_forward(module: torch.nn.Module, reason: str, *args: Any, **kwargs: Any) -> Any:
+    """Run the forward ``module``'s class defines (the one a layer replaced) because the kernel cannot
+    serve this call, recording why (``record_fallback``)."""
+    record_fallback(module, reason)
+    return type(module).forward(module, *args, **kwargs)
 
 
 def nki_source(package: str | None, name: str) -> Any:

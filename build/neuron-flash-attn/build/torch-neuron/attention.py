@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from ._backend import check_float_tensor, define_op, nki_source, op_namespace, run_kernel
+from . import attention_launches as launches
+from ._backend import autocast_dtype, check_float_tensor, define_op, nki_source, op_namespace
 
 _kernels = nki_source(__package__, "attention")
 MAX_HEAD_DIM = _kernels.MAX_HEAD_DIM
@@ -36,6 +37,15 @@ _NS = op_namespace(__name__)
 
 
 # --- validation -----------------------------------------------------------------------------------------
+
+def _autocast(q, k, v) -> tuple:
+    """Under ``torch.autocast``, q, k and v in the autocast dtype, as sdpa takes them there (q/k
+    promoted to fp32 by rotary beside a bf16 v is normal then); otherwise unchanged."""
+    dtype = autocast_dtype(q) if isinstance(q, torch.Tensor) else None
+    if dtype is None:
+        return q, k, v
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
+
 
 def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -138,8 +148,7 @@ def _validate_op(q, k, v, bias, cu_seqlens) -> None:
         check_float_tensor("flash_attn_fwd", "bias", bias)
         if bias.dtype != torch.float32:
             raise TypeError(f"flash_attn_fwd: bias must be float32, got {bias.dtype}")
-    _kernels.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape), None if bias is None else tuple(bias.shape),
-                          k.element_size())
+    _kernels.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape), None if bias is None else tuple(bias.shape))
     if cu_seqlens is not None and (q.shape[0] != 1 or q.shape[2] != k.shape[2]):
         raise ValueError(f"flash_attn_fwd: packed sequences need batch 1 and as many queries as keys, got q "
                          f"{tuple(q.shape)} and k {tuple(k.shape)}")
@@ -151,8 +160,8 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Opti
                    cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, H, Sq, D] forward: (out in q's dtype, lse [B, H, Sq] fp32)."""
     _validate_op(q, k, v, bias, cu_seqlens)
-    return run_kernel(_kernels.flash_attn_fwd, q, k, v, bias, float(scale), bool(causal), int(window),
-                      float(softcap), _segments(cu_seqlens))
+    return launches.forward(_kernels.flash_attn_fwd, q, k, v, bias, float(scale), bool(causal), int(window),
+                            float(softcap), _segments(cu_seqlens), _kernels, MASKED_LOGIT)
 
 
 @flash_attn_fwd.register_fake
@@ -166,8 +175,9 @@ def flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                    lse: torch.Tensor, bias: Optional[torch.Tensor], scale: float, causal: bool, window: int,
                    softcap: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: (dq, dk, dv), dk/dv per KV head (summed over the query heads of each group)."""
-    dq, dk, dv = run_kernel(_kernels.flash_attn_bwd, q, k, v, out, grad_out.contiguous(), lse, bias, float(scale),
-                            bool(causal), int(window), float(softcap), _segments(cu_seqlens))
+    dq, dk, dv = launches.backward(_kernels.flash_attn_bwd, grad_out.contiguous(), q, k, v, out, lse, bias,
+                                   float(scale), bool(causal), int(window), float(softcap), _segments(cu_seqlens),
+                                   _kernels)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -211,6 +221,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attent
         return_lse: also return the log-sum-exp of each row's logits, ``[B, H, Sq]`` fp32 (no gradient).
     """
     op = "flash_attention"
+    q, k, v = _autocast(q, k, v)
     _check_qkv(op, q, k, v, "B, H, S, D")
     _check_options(op, scale, window, softcap, dropout)
     batch, heads, sq, d = q.shape
@@ -232,6 +243,7 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     (``cu_seqlens_q`` equal to ``cu_seqlens_k``). ``return_lse`` also returns the lse, ``[H, total]``.
     """
     op = "flash_attn_varlen"
+    q, k, v = _autocast(q, k, v)
     _check_qkv(op, q, k, v, "total, H, D")
     _check_options(op, scale, window, softcap, dropout)
     offsets_q = check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0])

@@ -1,31 +1,246 @@
 """Hub layers that replace transformers' gated MLP forwards (SwiGLU / GeGLU). Stateless: they
 borrow the replaced module's projections and activation, and keep the signature of the forward
 they replace. The activation is read from the module itself (``act_fn``, else ``activation_fn``),
-so one layer serves SiLU models (Llama, Qwen, Mistral ...) and tanh-GELU ones (Gemma)."""
+so one layer serves SiLU models (Llama, Qwen, Mistral ...) and tanh-GELU ones (Gemma).
+
+The fused kernel reads the projections' weights instead of calling them, so every call first
+checks that each projection still is something whose weight says what it computes
+(``unsupported_reasons``, which kernelize asks too):
+
+- a plain ``nn.Linear`` without bias, hooks or a replaced forward;
+- a PEFT LoRA layer over such a linear: its active adapters become low-rank updates of the weight
+  (merged inside the op, gradients to ``lora_A``/``lora_B``), unless an adapter has dropout in
+  training, a bias, a variant such as DoRA, or the layout is transposed;
+- tensor-parallel shards: gate/up split by rows (``Shard(0)``) and down by columns (``Shard(1)``)
+  on one mesh, from transformers' TP plans or torch's ``parallelize_module``: each rank runs the
+  fused kernel on its shards and the partial outputs are summed across ranks, as the row-parallel
+  down projection would.
+
+Anything else (a quantized linear, another PEFT tuner, a forward hook, a dtype or size past the
+kernel's limits, ``model.float()`` pushing the hidden size past the fp32 limit) makes the module
+run its own forward for that call, with the reason kept on the module and warned about once.
+"""
 
 from __future__ import annotations
+
+import sys
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
-from .mlp import activation_kind, describe_activation, gated_mlp
+from ._backend import SUPPORTED_FLOAT_DTYPES, autocast_dtype, dtype_name, is_dtensor, own_forward
+from .mlp import MAX_INTERMEDIATE, LowRankUpdate, activation_kind, describe_activation, gated_mlp, max_hidden
+
+# Each layer: its projections, in the order of gated_mlp's weights (None: the fused gate_up has no up).
+_PROJECTIONS = {"GatedMLP": ("gate_proj", "up_proj", "down_proj"), "GatedMLPFusedGateUp": ("gate_up_proj", None, "down_proj")}
+_ACTIVATIONS = ("act_fn", "activation_fn")
+LIMITS = (f"projections without bias: plain nn.Linear, PEFT LoRA over one, or tensor-parallel shards; hidden size "
+          f"up to {max_hidden('bfloat16')} (bf16/fp16) or {max_hidden('float32')} (fp32) in the compute dtype; "
+          f"intermediate size up to {MAX_INTERMEDIATE}; SiLU or tanh-GELU activation")
 
 
-def _activation(module: nn.Module) -> str:
-    act = getattr(module, "act_fn", None)
-    if act is None:
-        act = getattr(module, "activation_fn", None)
-    kind = activation_kind(act)
-    if kind is None:
-        raise ValueError(f"gated_mlp: {type(module).__name__}: {describe_activation(act)}")
-    return kind
+class Projection(NamedTuple):
+    """What a projection computes, as the kernel takes it: its weight and any low-rank updates."""
+
+    weight: torch.Tensor
+    updates: tuple[LowRankUpdate, ...] = ()
 
 
-def _weight(module: nn.Module, name: str) -> torch.Tensor:
-    linear = getattr(module, name)
-    if getattr(linear, "bias", None) is not None:  # kernelize never swaps these; a safety net for other routes
-        raise ValueError(f"gated_mlp: {type(module).__name__}.{name} has a bias, which the kernel does not add")
-    return linear.weight
+def _hooks(module: nn.Module) -> list[str]:
+    """Why calling ``module`` would do more than its class's forward."""
+    found = []
+    if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
+        found.append("hooks")
+    if "forward" in vars(module):
+        found.append("a replaced forward")
+    return found
+
+
+def _plain_linear(linear: nn.Module, what: str) -> Union[Projection, str]:
+    if type(linear) is not nn.Linear:
+        return f"{what} is {type(linear).__name__}, not a plain nn.Linear"
+    if linear.bias is not None:
+        return f"{what} has a bias (the kernel adds none)"
+    hooks = _hooks(linear)
+    if hooks:
+        return f"{what} has {' and '.join(hooks)}, which the fused kernel would bypass"
+    return Projection(linear.weight)
+
+
+def _peft_lora_linear(linear: nn.Module, what: str) -> Union[Projection, str]:
+    """A PEFT LoRA layer as its base weight plus one update per active adapter (what its forward
+    computes when no adapter has dropout in training, a bias or a variant)."""
+    hooks = _hooks(linear)
+    if hooks:  # PEFT's own pre-hooks pass per-sample adapter names
+        return f"{what} (PEFT LoRA) has {' and '.join(hooks)}, which the fused kernel would bypass"
+    base = _plain_linear(linear.base_layer, f"{what}.base_layer")
+    if isinstance(base, str) or linear.fan_in_fan_out:
+        return base if isinstance(base, str) else f"{what} (PEFT LoRA) stores its weights transposed (fan_in_fan_out)"
+    if linear.merged or linear.disable_adapters:
+        if linear.merged and linear.disable_adapters:
+            return f"{what} (PEFT LoRA) is merged but its adapters are disabled (PEFT would unmerge it in place)"
+        return base  # merged: the update is in the base weight; disabled: only the base runs
+    updates = []
+    for adapter in linear.active_adapters:
+        if adapter not in linear.lora_A:
+            continue
+        if adapter in getattr(linear, "lora_variant", {}):
+            variant = type(linear.lora_variant[adapter]).__name__
+            return f"{what}: LoRA adapter {adapter!r} uses a variant ({variant}) the kernel does not merge"
+        if linear.lora_bias.get(adapter, False):
+            return f"{what}: LoRA adapter {adapter!r} has a bias (the kernel adds none)"
+        dropout = linear.lora_dropout[adapter]
+        if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
+            return (f"{what}: LoRA adapter {adapter!r} has dropout {dropout.p} in training, which applies to the "
+                    "adapter's input alone and cannot be merged into the weight (lora_dropout=0 keeps the kernel)")
+        updates.append(LowRankUpdate(linear.lora_A[adapter].weight, linear.lora_B[adapter].weight,
+                                     float(linear.scaling[adapter])))
+    return Projection(base.weight, tuple(updates))
+
+
+def _is_peft_lora_linear(module: nn.Module) -> bool:
+    lora = sys.modules.get("peft.tuners.lora.layer")  # never imports peft: no module is PEFT's without it
+    return lora is not None and type(module) is lora.Linear
+
+
+def _projection(module: nn.Module, attribute: str) -> Union[Projection, str]:
+    what = f"{type(module).__name__}.{attribute}"
+    linear = getattr(module, attribute, None)
+    if linear is None:
+        return f"{type(module).__name__} has no {attribute}"
+    if _is_peft_lora_linear(linear):
+        return _peft_lora_linear(linear, what)
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is not None and isinstance(linear, tuners.BaseTunerLayer):
+        return f"{what} is a PEFT {type(linear).__module__.split('.')[-2]} layer ({type(linear).__name__}), not LoRA"
+    if _tensor_parallel_shard(linear) is not None:  # the TP plan's own hooks/forward: reproduced by the layer
+        return Projection(linear.weight) if linear.bias is None else f"{what} has a bias (the kernel adds none)"
+    return _plain_linear(linear, what)
+
+
+def _tensor_parallel_shard(linear: nn.Module) -> Optional[int]:
+    """The dim (0 rows, 1 columns) a TP plan split ``linear``'s weight by, when it is a DTensor on a 1-D
+    mesh sharded that way and the linear's hooks or forward are the plan's own."""
+    weight = getattr(linear, "weight", None)
+    if type(linear) is not nn.Linear or not is_dtensor(weight) or weight.device_mesh.ndim != 1:
+        return None
+    from torch.distributed.tensor import Shard
+
+    (placement,) = weight.placements
+    if not isinstance(placement, Shard) or placement.dim not in (0, 1):
+        return None
+    hooks = [*linear._forward_pre_hooks.values(), *linear._forward_hooks.values()]
+    plan_hooks = all(getattr(h, "__qualname__", "").startswith("distribute_module.") for h in hooks)  # torch
+    forward = vars(linear).get("forward")
+    plan_forward = forward is None or getattr(forward, "__qualname__", "").endswith("install_forward.<locals>.tp_forward")
+    return placement.dim if plan_hooks and plan_forward else None
+
+
+class _Plan(NamedTuple):
+    projections: tuple[Optional[Projection], ...]  # gate (or gate_up), up (None when fused), down
+    activation: str
+    mesh: object = None  # the tensor-parallel mesh, when the weights are TP shards
+
+
+def _resolve(layer: str, module: nn.Module, x: Optional[torch.Tensor]) -> Union[_Plan, list[str]]:
+    """How the kernel computes ``module`` (on ``x``), or why it cannot."""
+    name = type(module).__name__
+    reasons = []
+    projections = []
+    for attribute in _PROJECTIONS[layer]:
+        projection = None if attribute is None else _projection(module, attribute)
+        if isinstance(projection, str):
+            reasons.append(projection)
+        projections.append(projection)
+    present = [a for a in _ACTIVATIONS if getattr(module, a, None) is not None]
+    kind = activation_kind(getattr(module, present[0])) if present else None
+    if not present:
+        reasons.append(f"{name} has no activation ({' or '.join(_ACTIVATIONS)})")
+    elif kind is None:
+        reasons.append(f"{name}.{present[0]}: {describe_activation(getattr(module, present[0]))}")
+    if reasons:
+        return reasons
+    mesh, reasons = _tensor_parallel_mesh(name, layer, module, projections)
+    if reasons:
+        return reasons
+    weights = {a: p.weight.to_local() if mesh is not None else p.weight
+               for a, p in zip(_PROJECTIONS[layer], projections) if p is not None}
+    reasons += _limits(name, weights, x)
+    return reasons or _Plan(tuple(projections), kind, mesh)
+
+
+def _tensor_parallel_mesh(name: str, layer: str, module: nn.Module, projections) -> tuple[object, list[str]]:
+    shards = [None if a is None else _tensor_parallel_shard(getattr(module, a)) for a in _PROJECTIONS[layer]]
+    sharded = [p for p, shard in zip(projections, shards) if p is not None and is_dtensor(p.weight)]
+    if not sharded:
+        return None, []
+    expected = [None if a is None else (1 if a == "down_proj" else 0) for a in _PROJECTIONS[layer]]
+    meshes = {p.weight.device_mesh for p in sharded}
+    if shards != expected or len(meshes) != 1 or any(p.updates for p in projections if p is not None):
+        return None, [f"{name}'s weights are DTensors sharded in a way other than tensor parallelism's "
+                      "row-split gate/up and column-split down on one mesh (or carry LoRA updates)"]
+    if layer == "GatedMLPFusedGateUp":
+        return None, [f"{name}: a row-split fused gate_up weight would mix gate and up rows across ranks"]
+    return meshes.pop(), []
+
+
+def _limits(name: str, named_weights: dict[str, torch.Tensor], x: Optional[torch.Tensor]) -> list[str]:
+    """The kernel's dtype and size limits, in the dtype it would compute in for ``x``."""
+    weights = list(named_weights.values())
+    dtypes = {w.dtype for w in weights}
+    if x is not None and (is_dtensor(x) or x.dtype not in SUPPORTED_FLOAT_DTYPES or x.numel() == 0):
+        detail = "is a DTensor" if is_dtensor(x) else f"has dtype {x.dtype}" if x.numel() else "is empty"
+        return [f"the input of shape {tuple(x.shape)} {detail}"]
+    compute = (autocast_dtype(x) or x.dtype) if x is not None else next(iter(dtypes))
+    if len(dtypes) > 1:
+        return [f"{name}'s projections have mixed dtypes {sorted(map(dtype_name, dtypes))}"]
+    if x is not None and autocast_dtype(x) is None and x.dtype not in dtypes:  # the module itself would raise
+        return [f"the input's dtype {x.dtype} differs from the weights' {weights[0].dtype}"]
+    reasons = [f"{name}'s weights have dtype {w.dtype} (the kernel takes float32, bfloat16, float16)"
+               for w in weights[:1] if w.dtype not in SUPPORTED_FLOAT_DTYPES]
+    if reasons or compute not in SUPPORTED_FLOAT_DTYPES:
+        return reasons or [f"compute dtype {compute} (the kernel takes float32, bfloat16, float16)"]
+    hidden, intermediate = weights[-1].shape
+    if hidden > max_hidden(dtype_name(compute)):
+        reasons.append(f"hidden size {hidden} is above the kernel's {max_hidden(dtype_name(compute))} for "
+                       f"{dtype_name(compute)}")
+    if intermediate > MAX_INTERMEDIATE:
+        reasons.append(f"intermediate size {intermediate} is above the kernel's {MAX_INTERMEDIATE}")
+    reasons += [f"{name}.{attribute}.weight is not contiguous" for attribute, w in named_weights.items()
+                if not w.is_contiguous()]
+    return reasons
+
+
+def unsupported_reasons(layer: str, module: nn.Module, x: Optional[torch.Tensor] = None) -> list[str]:
+    """Why ``module`` cannot run ``layer`` (empty when it can); with ``x``, also for that input."""
+    resolved = _resolve(layer, module, x)
+    return resolved if isinstance(resolved, list) else []
+
+
+def _tensor_parallel(x: torch.Tensor, mesh, run) -> torch.Tensor:
+    """``run`` on this rank's shards: x is replicated, so its gradient is summed across ranks; the
+    output is this rank's partial sum, summed across ranks (what the row-parallel down would do)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    partial = DTensor.from_local(run(x), mesh, [Partial()], run_check=False)
+    return partial.redistribute(mesh, [Replicate()]).to_local()
+
+
+def _forward(layer: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    plan = _resolve(layer, module, x)
+    if isinstance(plan, list):
+        return own_forward(module, "; ".join(plan), x)
+    gate, up, down = plan.projections
+
+    def run(inputs: torch.Tensor) -> torch.Tensor:
+        weights = [None if p is None else (p.weight.to_local() if plan.mesh is not None else p.weight)
+                   for p in (gate, up, down)]
+        updates = [() if p is None else p.updates for p in (gate, up, down)]
+        return gated_mlp(inputs, *weights, plan.activation, updates=updates)
+
+    return run(x) if plan.mesh is None else _tensor_parallel(x, plan.mesh, run)
 
 
 class GatedMLP(nn.Module):
@@ -36,8 +251,7 @@ class GatedMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(x, _weight(self, "gate_proj"), _weight(self, "up_proj"), _weight(self, "down_proj"),
-                         _activation(self))
+        return _forward("GatedMLP", self, x)
 
 
 class GatedMLPFusedGateUp(nn.Module):
@@ -47,8 +261,7 @@ class GatedMLPFusedGateUp(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(hidden_states, _weight(self, "gate_up_proj"), None, _weight(self, "down_proj"),
-                         _activation(self))
+        return _forward("GatedMLPFusedGateUp", self, hidden_states)
 
 
 __all__ = ["GatedMLP", "GatedMLPFusedGateUp"]

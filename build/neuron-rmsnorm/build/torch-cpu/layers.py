@@ -2,14 +2,65 @@
 module's ``weight`` and epsilon, and keep the signature of the forward they replace.
 
 A layer accepts whatever the module it replaces accepted, so it makes its input contiguous
-(Gemma3 normalises transposed q/k views); the op itself rejects non-contiguous input."""
+(Gemma3 normalises transposed q/k views); the op itself rejects non-contiguous input. Each call
+re-checks what ``unsupported_reasons`` checks (dtypes, hidden size, the weight's shape), which
+kernelize also asks before swapping: a module that no longer fits (``model.double()``, a weight
+replaced by a DTensor) runs its own forward, with the reason on the module and a warning once."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
-from .rmsnorm import rms_norm
+from ._backend import SUPPORTED_FLOAT_DTYPES, is_dtensor, own_forward
+from .rmsnorm import MAX_HIDDEN, MIN_HIDDEN, rms_norm
+
+# Each layer: the module attribute holding epsilon and the rms_norm convention it computes.
+_LAYERS = {"RMSNorm": ("variance_epsilon", "llama"), "GemmaRMSNorm": ("eps", "gemma"),
+           "RMSNormFP32Multiply": ("variance_epsilon", "fp32_multiply")}
+LIMITS = (f"a 1-D weight of hidden size {MIN_HIDDEN}..{MAX_HIDDEN}; float32, bfloat16 or float16 input and weight; "
+          "the epsilon attribute the layer reads")
+
+
+def _tensor_reasons(name: str, tensor: torch.Tensor) -> list[str]:
+    if is_dtensor(tensor):
+        return [f"{name} is a DTensor (sharded or replicated across ranks)"]
+    if tensor.dtype not in SUPPORTED_FLOAT_DTYPES:
+        return [f"{name} has dtype {tensor.dtype} (the kernel takes float32, bfloat16, float16)"]
+    return []
+
+
+def unsupported_reasons(layer: str, module: nn.Module, x: Optional[torch.Tensor] = None) -> list[str]:
+    """Why ``module`` cannot run ``layer`` (empty when it can); with ``x``, also for that input."""
+    name = type(module).__name__
+    epsilon, _ = _LAYERS[layer]
+    reasons = [] if hasattr(module, epsilon) else [f"{name} has no attribute {epsilon!r}"]
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return reasons + [f"{name}.weight is not a tensor"]
+    if weight.dim() != 1:
+        return reasons + [f"weight of shape {tuple(weight.shape)} is not 1-D"]
+    hidden = weight.shape[0]
+    if not MIN_HIDDEN <= hidden <= MAX_HIDDEN:
+        reasons.append(f"hidden size {hidden} is outside the kernel's {MIN_HIDDEN}..{MAX_HIDDEN}")
+    reasons += _tensor_reasons("weight", weight)
+    if x is not None:
+        reasons += _tensor_reasons("the input", x)
+        if x.numel() == 0:
+            reasons.append(f"the input of shape {tuple(x.shape)} is empty")
+        elif x.shape[-1] != hidden:
+            reasons.append(f"the input's last dim {x.shape[-1]} differs from the hidden size {hidden}")
+    return reasons
+
+
+def _forward(layer: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    reasons = unsupported_reasons(layer, module, x)
+    if reasons:
+        return own_forward(module, "; ".join(reasons), x)
+    epsilon, convention = _LAYERS[layer]
+    return rms_norm(x.contiguous(), module.weight, getattr(module, epsilon), convention)
 
 
 class RMSNorm(nn.Module):
@@ -19,7 +70,7 @@ class RMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states.contiguous(), self.weight, self.variance_epsilon, "llama")
+        return _forward("RMSNorm", self, hidden_states)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -29,7 +80,7 @@ class GemmaRMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x.contiguous(), self.weight, self.eps, "gemma")
+        return _forward("GemmaRMSNorm", self, x)
 
 
 class RMSNormFP32Multiply(nn.Module):
@@ -39,7 +90,7 @@ class RMSNormFP32Multiply(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states.contiguous(), self.weight, self.variance_epsilon, "fp32_multiply")
+        return _forward("RMSNormFP32Multiply", self, hidden_states)
 
 
 __all__ = ["RMSNorm", "GemmaRMSNorm", "RMSNormFP32Multiply"]

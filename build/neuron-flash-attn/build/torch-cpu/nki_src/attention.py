@@ -80,8 +80,16 @@ def _check_residency(what, needed, limit):
         raise ValueError(f"flash_attn: {what} need {needed:,} bytes of SBUF per partition, above the limit of {limit:,}")
 
 
-def check_shapes(q_shape, k_shape, v_shape, bias_shape=None, itemsize=2):
-    """Raise ValueError naming the op, the shape and the limit for shapes the kernel cannot take."""
+def check_forward_residency(keys, head_dim, itemsize):
+    """One launch holds a KV head's keys in SBUF: raise ValueError naming the bytes and the limit
+    beyond that (the torch op splits longer attention into several launches)."""
+    _check_residency(f"{keys} keys of head_dim {head_dim} ({itemsize}-byte K and V)",
+                     resident_kv_bytes(keys, head_dim, itemsize), MAX_RESIDENT_KV_BYTES)
+
+
+def check_shapes(q_shape, k_shape, v_shape, bias_shape=None):
+    """Raise ValueError naming the op, the shape and the limit for shapes the kernel cannot take
+    (what one launch holds in SBUF is ``check_forward_residency``'s)."""
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
         raise ValueError(f"flash_attn: q, k, v must be 4-D [B, H, S, D], got {q_shape}, {k_shape}, {v_shape}")
     b, h, sq, d = q_shape
@@ -96,8 +104,6 @@ def check_shapes(q_shape, k_shape, v_shape, bias_shape=None, itemsize=2):
         raise ValueError(f"flash_attn: head_dim {d} is outside the supported 1..{MAX_HEAD_DIM}")
     if sq < 1 or sk < 1 or b < 1:
         raise ValueError(f"flash_attn: empty input: q {tuple(q_shape)}, k {tuple(k_shape)}")
-    _check_residency(f"{sk} keys of head_dim {d} ({itemsize}-byte K and V)", resident_kv_bytes(sk, d, itemsize),
-                     MAX_RESIDENT_KV_BYTES)
     if bias_shape is not None:
         bb, bh, bq, bk = bias_shape
         if bb not in (1, b) or bh not in (1, h) or (bq, bk) != (sq, sk):
@@ -185,7 +191,8 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
         returns (out [B, H, Sq, D] of q's dtype, lse [B, H, Sq] fp32 log-sum-exp of the scaled
         logits; a row that sees no key gets a zero output and an lse near -1e30).
     """
-    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape, _itemsize(k.dtype))
+    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape)
+    check_forward_residency(k.shape[2], k.shape[3], _itemsize(k.dtype))
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -478,7 +485,8 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
         on TensorE for dQ += dS K.
     """
     itemsize = _itemsize(k.dtype)
-    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape, itemsize)
+    check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape)
+    check_forward_residency(k.shape[2], k.shape[3], itemsize)
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
     _check_residency(f"the backward of {sq} queries and {sk} keys of head_dim {d}",

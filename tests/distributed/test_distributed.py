@@ -1,0 +1,76 @@
+"""A kernelized model trains under DDP, FSDP2 (``fully_shard`` per decoder layer), tensor parallelism
+(torch's ``parallelize_module`` plan, and transformers' own) and FSDP2 + TP on a 2-D mesh: 2 (and 4)
+ranks on the gloo backend, started with ``torch.multiprocessing.spawn``; each step's loss and every
+gradient match the same step of the un-kernelized model in one process, and the NKI kernels ran."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import workers
+
+GRAD_TOL = 2e-5  # fp32: reductions across ranks and kernels round in a different order than one process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(tmp_path_factory, world: int, scenarios: list[str]) -> list[dict]:
+    import json
+
+    out = tmp_path_factory.mktemp(f"ranks{world}")
+    model_dir = tmp_path_factory.mktemp("tiny_qwen3")
+    workers.tiny("Qwen3").save_pretrained(model_dir)
+    mp.spawn(workers.run, args=(world, _free_port(), scenarios, str(out), str(model_dir)), nprocs=world)
+    return [json.loads((out / f"{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _spawn(tmp_path_factory, 2, ["ddp", "fsdp2", "torch_tp", "transformers_tp"])
+
+
+def _check(result: dict, kernels=("flash_attn_bwd", "flash_attn_fwd", "mlp_bwd", "mlp_fwd", "rmsnorm_bwd",
+                                  "rmsnorm_fwd")) -> None:
+    assert "error" not in result, result.get("error")
+    assert result["smallest_grad"] > 0, "a reference gradient is zero: the comparison would prove less"
+    assert result["loss_error"] < 1e-5, result
+    assert result["grad_error"] < GRAD_TOL, result
+    assert set(kernels) <= set(result["kernels"]), result["kernels"]
+    assert result["call_time_fallbacks"] == {}, result["call_time_fallbacks"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario, swapped", [("ddp", 13), ("fsdp2", 13), ("torch_tp", 9)])
+def test_a_training_step_matches_one_process(two_ranks, scenario, swapped):
+    """Qwen3: 9 norms (q/k norms included), 2 MLPs, 2 attention modules; Llama: 5 norms."""
+    for result in two_ranks:
+        _check(result[scenario])
+        assert result[scenario]["fallbacks"] == {}
+        assert len(result[scenario]["swapped"]) == swapped
+
+
+@pytest.mark.slow
+def test_transformers_tensor_parallel_plan(two_ranks):
+    """Qwen3's per-head q/k norms carry the plan's gradient all-reduce in a replaced forward: they keep
+    it (reported); everything else runs the kernels on its shards."""
+    for result in two_ranks:
+        result = result["transformers_tp"]
+        _check(result)
+        norms = {path for path in result["fallbacks"]}
+        assert norms == {f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")}
+        assert all("forward was replaced" in reason for reason in result["fallbacks"].values())
+        assert {f"model.layers.{i}.mlp" for i in range(2)} <= set(result["swapped"])
+
+
+@pytest.mark.slow
+def test_fsdp2_and_tensor_parallel_on_a_2d_mesh(tmp_path_factory):
+    """4 ranks: FSDP2 over 2 data-parallel groups of 2 tensor-parallel ranks."""
+    for result in _spawn(tmp_path_factory, 4, ["fsdp2_tp"]):
+        _check(result["fsdp2_tp"])
+        assert len(result["fsdp2_tp"]["swapped"]) == 9
