@@ -69,10 +69,10 @@ def _rmsnorm(name: str, model: str, rows: int, hidden: int, convention: str, bac
     )
 
 
-def _attention_inputs(sq: int, sk: int, d: int, window: int, softcap: float, backward: bool, seed: int) -> tuple:
+def _attention_inputs(sq: int, sk: int, d: int, window: int, softcap: float, backward: bool, segments, seed: int) -> tuple:
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in ((1, 1, sq, d), (1, 1, sk, d), (1, 1, sk, d)))
-    args = (None, d ** -0.5, True, window, softcap, None)
+    args = (None, d ** -0.5, True, window, softcap, segments)
     if not backward:
         return (q, k, v) + args
     out, lse = sim.run(flash_attn_fwd, q, k, v, *args).outputs
@@ -87,16 +87,24 @@ def _attention_reference(q, k, v, *args):
 
 
 def _attention(name: str, model: str, sq: int, sk: int, d: int = 128, window: int = 0, softcap: float = 0.0,
-               backward: bool = False) -> Case:
+               backward: bool = False, packed: tuple[int, ...] = ()) -> Case:
     """One (batch, KV head) group, causal, bf16; FLOPs the standard way: 4*Sq*Sk*d halved for causal
-    (only the visible pairs when Sq < Sk), and 2.5x that for the backward."""
-    visible = sum(min(sk, i + 1 + sk - sq) - (max(0, i + sk - sq - window + 1) if window else 0) for i in range(sq)) \
-        if window or sq != sk else sq * sk / 2
+    (only the visible pairs when Sq < Sk), and 2.5x that for the backward. ``packed``: sequence lengths
+    packed into the Sq = Sk tokens (the kernel's segments), each attending within itself."""
+    if packed:
+        visible = sum(n * n / 2 for n in packed)
+    elif window or sq != sk:
+        visible = sum(min(sk, i + 1 + sk - sq) - (max(0, i + sk - sq - window + 1) if window else 0) for i in range(sq))
+    else:
+        visible = sq * sk / 2
     flops = int(4 * visible * d * (2.5 if backward else 1.0))
+    offsets = np.cumsum((0,) + packed).tolist()
+    segments = tuple(zip(offsets[:-1], offsets[1:])) if packed else None
     return Case(
         name=name, kernel=flash_attn_bwd if backward else flash_attn_fwd,
-        make_inputs=partial(_attention_inputs, sq, sk, d, window, softcap, backward),
-        shape={"Sq": sq, "Sk": sk, "d": d, **({"window": window} if window else {}), **({"softcap": softcap} if softcap else {})},
+        make_inputs=partial(_attention_inputs, sq, sk, d, window, softcap, backward, segments),
+        shape={"Sq": sq, "Sk": sk, "d": d, **({"window": window} if window else {}), **({"softcap": softcap} if softcap else {}),
+               **({"packed": "+".join(map(str, packed))} if packed else {})},
         dtype="bfloat16", model=model,
         reference_name="scaled_dot_product_attention" + (" backward" if backward else ""),
         reference=_attention_reference, standard_flops=flops,
@@ -157,6 +165,13 @@ CASES: list[Case] = [
     _attention("attention-fwd/mistral-7b/window-4096-of-8192", "Mistral-7B", 8192, 8192, window=4096),
     _attention("attention-fwd/gemma2-9b/softcap-d256-4096", "Gemma-2-9B", 4096, 4096, d=256, window=4096, softcap=50.0),
     _attention("attention-fwd/qwen3-8b/decode-1-of-4096", "Qwen3-8B", 1, 4096),
+    # Packed training batches (TRL's padding-free packing): one launch over the sequences, against one of
+    # them alone (the packed case should cost about 4x it).
+    _attention("attention-fwd/qwen3-8b/packed-4x256", "Qwen3-8B", 1024, 1024, packed=(256, 256, 256, 256)),
+    _attention("attention-bwd/qwen3-8b/packed-4x256", "Qwen3-8B", 1024, 1024, packed=(256, 256, 256, 256),
+               backward=True),
+    _attention("attention-fwd/qwen3-8b/causal-256", "Qwen3-8B", 256, 256),
+    _attention("attention-bwd/qwen3-8b/causal-256", "Qwen3-8B", 256, 256, backward=True),
     _rmsnorm("rmsnorm-fwd/llama3-8b/4096-tokens", "Llama-3-8B", 4096, 4096, "llama"),
     _rmsnorm("rmsnorm-bwd/llama3-8b/4096-tokens", "Llama-3-8B", 4096, 4096, "llama", backward=True),
     _rmsnorm("rmsnorm-fwd/gemma2-9b/4096-tokens", "Gemma-2-9B", 4096, 3584, "gemma"),

@@ -22,7 +22,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _examples(args: argparse.Namespace) -> int:
-    """Simulate the bundled example kernels, check each against NumPy and summarise the traces."""
+    """Simulate the bundled example kernels, check each against NumPy and summarise the traces; or run a
+    workflow example (``sft``)."""
+    if args.workflow == "sft":
+        from kernels_neuron.examples import sft
+
+        return sft.main(["--steps", str(args.steps)] + (["--no-fsdp"] if args.no_fsdp else []))
     import numpy as np
     import ml_dtypes
 
@@ -183,9 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="kernelize a tiny Qwen3 for neuron and run it on the simulator")
     demo.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
     demo.set_defaults(run=_demo)
-    examples = commands.add_parser("examples", help="simulate the bundled example NKI kernels and check them")
+    examples = commands.add_parser("examples", help="simulate the bundled example NKI kernels and check them; "
+                                   "'examples sft': the training workflow (TRL SFT, FSDP2, generate)")
+    examples.add_argument("workflow", nargs="?", choices=["sft"],
+                          help="sft: SFTTrainer on a kernelized tiny Qwen3, in one process and with FSDP2 on 2 gloo "
+                               "ranks, then save, reload, kernelize and generate (needs the examples extra)")
+    examples.add_argument("--steps", type=int, default=4, help="sft: training steps per run")
+    examples.add_argument("--no-fsdp", action="store_true", help="sft: skip the FSDP2 runs")
     examples.add_argument("--example", choices=["tiled_matmul", "transpose_2d", "row_softmax", "layernorm",
-                                                "spmd_scaled_add"], help="run only this example")
+                                                "spmd_scaled_add"], help="run only this example kernel")
     examples.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
     examples.set_defaults(run=_examples)
     bench_cmd = commands.add_parser("bench", help="run the microbenchmark suite (modelled Trainium times)")

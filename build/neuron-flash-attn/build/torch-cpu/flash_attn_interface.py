@@ -89,6 +89,10 @@ def flash_attn_forward(module: Optional[torch.nn.Module], query: torch.Tensor, k
     the queries of an empty static cache are dropped. ``softcap`` is taken from kwargs, where
     transformers passes it (Gemma2's ``attn_logit_softcapping``); a module attribute transformers does
     not pass (Gemma3's) is ignored, as transformers ignores it.
+
+    Packed sequences (``cu_seq_lens_q/k``, or ``position_ids`` that restart, in a batch of one) and
+    left-padded batches run on the kernel's packed-sequence path, right-padded ones causal with the
+    padding as a bias, whenever the mask says exactly that (see "packed sequences" below).
     """
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{_OP}: attention sinks (s_aux) are not supported")
@@ -111,12 +115,7 @@ def flash_attn_forward(module: Optional[torch.nn.Module], query: torch.Tensor, k
     if runs is not None and sq == sk and all(end == sk for _, end in runs):  # left padding: the valid tokens, packed
         return _unpadded_attention(query, key, value, runs, scaling, window, softcap, dropout), None
     if runs is not None:  # right padding: causal tiles skipped, the padded keys masked by a bias
-        keys_kept = torch.zeros(len(runs), 1, 1, sk, dtype=torch.bool, device=query.device)
-        for b, (start, end) in enumerate(runs):
-            keys_kept[b, ..., start:end] = True
-        out = flash_attention(query, key, value, attention_mask=keys_kept, scale=scaling, causal=True,
-                              window=int(window) if window else None, softcap=softcap, dropout=dropout)
-        return out.transpose(1, 2).contiguous(), None
+        return _causal_with_padded_keys(query, key, value, runs, scaling, window, softcap, dropout), None
     if attention_mask is None:
         causal = bool(is_causal) and sq > 1
         if causal and sk > sq:  # prefill into an empty static cache: sdpa's top-left causal mask
@@ -202,6 +201,17 @@ def _unpadded_attention(query, key, value, runs, scaling, window, softcap, dropo
     out = packed.new_zeros(batch * seq, heads, d)
     out[rows] = packed
     return out.reshape(batch, seq, heads, d)
+
+
+def _causal_with_padded_keys(query, key, value, runs, scaling, window, softcap, dropout) -> torch.Tensor:
+    """[B, H, Sq, D], causal, with only row b's keys ``runs[b]`` kept -> [B, Sq, H, D]: the padding as a
+    [B, 1, 1, Sk] keep-mask, so the kernel still skips the key tiles above the diagonal."""
+    keys_kept = torch.zeros(len(runs), 1, 1, key.shape[2], dtype=torch.bool, device=query.device)
+    for b, (start, end) in enumerate(runs):
+        keys_kept[b, ..., start:end] = True
+    out = flash_attention(query, key, value, attention_mask=keys_kept, scale=scaling, causal=True,
+                          window=int(window) if window else None, softcap=softcap, dropout=dropout)
+    return out.transpose(1, 2).contiguous()
 
 
 # --- FlashAttention-2's functions -----------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Workflow examples: ``sft.py``, the training workflow on a kernelized model (``kernels-neuron examples sft``)."""
