@@ -25,9 +25,7 @@ def _examples(args: argparse.Namespace) -> int:
     """Simulate the bundled example kernels, check each against NumPy and summarise the traces; or run a
     workflow example (``sft``)."""
     if args.workflow == "sft":
-        from kernels_neuron.examples import sft
-
-        return sft.main(["--steps", str(args.steps)] + (["--no-fsdp"] if args.no_fsdp else []))
+        return _example_module("sft").main(["--steps", str(args.steps)] + (["--no-fsdp"] if args.no_fsdp else []))
     import numpy as np
     import ml_dtypes
 
@@ -78,16 +76,31 @@ def _examples(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _load_suite():
-    """The cases of ``benchmarks/suite.py`` in this source checkout."""
-    from kernels_neuron.registry import ROOT as root
+def _example_module(name: str):
+    """``examples/<name>.py`` (the checkout's, or the copy an installed wheel carries), imported by path:
+    it is a script for users to read and run, not part of the package's import tree."""
+    import importlib.util
 
-    if not (root / "benchmarks" / "suite.py").is_file():
-        raise SystemExit(
-            f"kernels-neuron bench runs the suite in a source checkout; benchmarks/suite.py was not found under {root}"
-        )
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    from kernels_neuron.paths import EXAMPLES_DIR
+
+    path = EXAMPLES_DIR / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kernels_neuron_example_{name}", path)
+    if spec is None or not path.is_file():
+        raise SystemExit(f"kernels-neuron examples: {path} was not found")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_suite():
+    """The cases of ``benchmarks/suite.py`` (the checkout's, or the copy an installed wheel carries)."""
+    from kernels_neuron.paths import BENCHMARKS_DIR
+
+    if not (BENCHMARKS_DIR / "suite.py").is_file():
+        raise SystemExit(f"kernels-neuron bench: the suite {BENCHMARKS_DIR / 'suite.py'} was not found")
+    root = str(BENCHMARKS_DIR.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
     from benchmarks.suite import CASES
 
     return CASES
@@ -131,7 +144,18 @@ def _build(args: argparse.Namespace) -> int:
             return 1
         console.print("build/ is up to date with the sources")
         return 0
-    files = hub.write()
+    from kernels_neuron.hub.build import UnknownFilesError
+    from kernels_neuron.paths import IS_CHECKOUT
+
+    if not IS_CHECKOUT:
+        console.print(f"[red]kernels-neuron build regenerates a source checkout's build/; this kernels-neuron is "
+                      f"an installed package, whose {hub.BUILD_DIR} is read-only[/] (`build --check` verifies it)")
+        return 2
+    try:
+        files = hub.write(prune=args.prune)
+    except UnknownFilesError as exc:
+        console.print(f"[red]{exc}[/]", markup=False)
+        return 1
     console.print(f"wrote {len(files)} files under {hub.BUILD_DIR}")
     return 0
 
@@ -207,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.set_defaults(run=_bench)
     build_cmd = commands.add_parser("build", help="regenerate build/ (the Hub repos) from the sources")
     build_cmd.add_argument("--check", action="store_true", help="fail if build/ differs from a fresh build")
+    build_cmd.add_argument("--prune", action="store_true",
+                           help="delete files inside build/<repo>/ that the build does not produce (else refused)")
     build_cmd.set_defaults(run=_build)
     install_cmd = commands.add_parser("install", help="install build/ into the local HF cache (refs/vN + snapshot)")
     install_cmd.add_argument("--cache", help="HF hub cache directory (default: where the kernels library looks, "

@@ -42,6 +42,7 @@ from torch import nn
 
 from . import registry as registry_module
 from .hub.build import BUILD_DIR
+from .hub.loading import check_before_loading
 from .ops._backend import FALLBACK_ATTRIBUTE, record_fallback
 from .registry import Layer, Registry
 
@@ -56,7 +57,7 @@ class ReportRow:
     path: str
     layer: str
     kernel: str
-    status: str  # "swapped" | "fallback"
+    status: str  # "swapped" | "fallback" | "no kernel"
     reason: str = ""
     module: Any = field(default=None, repr=False, compare=False)  # a weakref.ref to the module
 
@@ -83,6 +84,11 @@ class KernelizeReport:
         return [r for r in self.rows if r.status == "fallback"]
 
     @property
+    def no_kernel(self) -> list[ReportRow]:
+        """Modules of kinds the hub has no kernel for (LayerNorm, MoE experts, other MLPs, unrouted attention)."""
+        return [r for r in self.rows if r.status == "no kernel"]
+
+    @property
     def call_time_fallbacks(self) -> list[ReportRow]:
         """Swapped modules that have since run their own forward for a call the kernel could not serve."""
         return [r for r in self.rows if r.call_time_fallback is not None]
@@ -97,11 +103,14 @@ class KernelizeReport:
         since = len(self.call_time_fallbacks)
         table = Table(title=f"kernels-neuron kernelize report (device={self.device}, mode={self.mode}): "
                             f"{len(self.swapped)} swapped, {len(self.fallbacks)} kept their own forward"
-                            + (f", {since} fell back at call time" if since else ""))
+                            + (f", {len(self.no_kernel)} with no kernel" if self.no_kernel else "")
+                            + (f", {since} fell back at call time" if since else "")
+                            + ("" if self.rows else "; no module of a kind the hub has kernels for"))
         for column in ("module", "layer", "kernel", "status"):
             table.add_column(column, overflow="fold")
         for row in self.rows:
-            status = "[green]swapped[/]" if row.status == "swapped" else f"[yellow]fallback[/]: {row.reason}"
+            status = {"swapped": "[green]swapped[/]", "fallback": f"[yellow]fallback[/]: {row.reason}",
+                      "no kernel": f"[dim]no kernel[/]: {row.reason}"}[row.status]
             if row.call_time_fallback is not None:
                 status += f"; [yellow]fell back at call time[/]: {row.call_time_fallback}"
             table.add_row(row.path, row.layer, row.kernel, status)
@@ -312,6 +321,8 @@ def register_mapping(devices: tuple[str, ...] = ("neuron", "cpu"), reg: Registry
     else when their module is imported.
     """
     reg = reg or registry_module.load()
+    _ensure_local_kernels(reg)
+    check_before_loading(reg)
     mapping = {}
     for layer in reg.layers:
         repository = LayerRepository(reg.repo_id(layer.repo), layer_name=layer.layer,
@@ -493,9 +504,13 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attent
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize: expected a torch.nn.Module, got {type(model).__name__}")
+    if device not in DEVICES:
+        raise ValueError(f"kernelize: device {device!r} is not one kernels-neuron serves; use 'neuron' (Trainium, "
+                         "or its kernels on the CPU simulator where there is none) or 'cpu' (the simulator)")
     reg = registry_module.load()
     requested = resolve_mode(model, mode)
     candidates = _candidates(model, reg)
+    considered = {id(module) for _, module, _ in candidates}
     for _, module, _ in candidates:  # a new report: reasons recorded at earlier calls are dropped
         vars(module).pop(FALLBACK_ATTRIBUTE, None)
     kept = [(m, layer) for _, m, layer in candidates if not mlp and layer.repo == MLP_REPO]
@@ -519,8 +534,40 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attent
                                      weakref.ref(module)))
     if attention:
         report.rows += _kernelize_attention(model, reg, requested)
+    report.rows += _without_kernel(model, considered, attention)
     model.kernels_neuron_report = report
     return model
+
+
+DEVICES = ("neuron", "cpu")  # the kernels-library device keys kernelize registers the hub's layers for
+
+# Kinds of module the hub has no kernel for yet, by class name, so that the report can say so
+# rather than leave them out: (what the name ends with, the kind, why).
+_UNSERVED_KINDS = (
+    ("LayerNorm", "LayerNorm", "no LayerNorm kernel in the hub yet"),
+    ("Experts", "MoE experts", "no MoE-experts kernel in the hub yet"),
+    ("MLP", "MLP", "not a gated MLP down(act(gate(x)) * up(x)), the only MLP the hub has a kernel for"),
+)
+
+
+def _without_kernel(model: nn.Module, candidates: set[int], attention: bool) -> list[ReportRow]:
+    """Report rows for the modules of kinds the hub has no kernel for (or a form it does not take), and
+    for attention modules kernelize cannot route."""
+    rows = []
+    routed = {id(m) for _, m in _attention_modules(model)} if attention else set()
+    for path, module in model.named_modules():
+        if id(module) in candidates or id(module) in routed:
+            continue
+        name = type(module).__name__
+        kind = next(((k, why) for suffix, k, why in _UNSERVED_KINDS if name.endswith(suffix)), None)
+        if kind is None and isinstance(module, nn.LayerNorm):
+            kind = ("LayerNorm", _UNSERVED_KINDS[0][2])
+        if kind is None and attention and name.endswith("Attention"):
+            kind = ("attention", "not routed: its model does not call transformers' AttentionInterface for it")
+        if kind is not None:
+            rows.append(ReportRow(path or "<model>", kind[0], "-", "no kernel", f"{name}: {kind[1]}",
+                                  weakref.ref(module)))
+    return rows
 
 
 # --- attention ------------------------------------------------------------------------------------------
@@ -593,6 +640,8 @@ def _register_attention(reg: Registry) -> dict[str, Any]:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    _ensure_local_kernels(reg)
+    check_before_loading(reg)
     loaded = {}
     for entry in reg.attention:
         loaded[entry.name] = _load_attention_kernel(reg, entry.name)

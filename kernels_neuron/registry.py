@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-REGISTRY_PATH = ROOT / "registry.toml"
+from .paths import REGISTRY_PATH
+
 MODES = ("inference", "training", "torch.compile")
 REPO_KINDS = ("kernel", "simulator")
 
@@ -96,6 +97,26 @@ def _check_modes(where: str, modes: list[str]) -> None:
         raise ValueError(f"{where}: unknown modes {sorted(bad)}; use {MODES}")
 
 
+# A repo's name is also its kernel's name in metadata.json, which the kernels library restricts further.
+KERNEL_NAME = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]$")
+
+
+def _check_names(org: str, repo: str) -> None:
+    """Hub rules for the org and the repo name: they become paths (``build/<repo>``, the HF cache's
+    ``kernels--<org>--<repo>``), so anything else (``..``, ``/``, spaces) is refused."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(org, str) or not isinstance(repo, str):
+        raise ValueError(f"registry: the org and repo names must be strings, got {org!r} and {repo!r}")
+    try:
+        validate_repo_id(f"{org}/{repo}")
+    except HFValidationError as exc:
+        raise ValueError(f"registry: {org + '/' + repo!r} is not a valid Hub repo id: {exc}") from None
+    if not KERNEL_NAME.fullmatch(repo):
+        raise ValueError(f"registry: repo name {repo!r} is not a valid kernel name (lowercase letters, digits and "
+                         f"'-', starting with a letter: {KERNEL_NAME.pattern})")
+
+
 def load(path: Path | str = REGISTRY_PATH) -> Registry:
     """Parse and check ``registry.toml``; errors name the entry and the field."""
     path = Path(path)
@@ -104,8 +125,10 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"registry file not found: {path}") from exc
     hub = raw.get("hub", {})
+    org = hub.get("org", "kernels-neuron")
     repos = {}
     for name, entry in raw.get("repos", {}).items():
+        _check_names(org, name)
         kind = entry.get("kind", "kernel")
         if kind not in REPO_KINDS:
             raise ValueError(f"registry: repo {name!r}: kind {kind!r} is not one of {REPO_KINDS}")
@@ -136,5 +159,5 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
         _check_modes(where, entry["modes"])
         attention.append(Attention(name=entry["name"], repo=entry["repo"], function=entry["function"],
                                    modes=tuple(entry["modes"])))
-    return Registry(org=hub.get("org", "kernels-neuron"), license=hub.get("license", "apache-2.0"), repos=repos,
+    return Registry(org=org, license=hub.get("license", "apache-2.0"), repos=repos,
                     layers=tuple(layers), attention=tuple(attention))

@@ -8,7 +8,10 @@ For each repo in ``registry.toml`` it writes ``build/<repo>/``:
 - ``metadata.json`` per variant (with a sha256 ``digest``), a model card and the ``kernels
   benchmark`` scripts.
 
-The tree is a pure function of the sources, so ``--check`` can tell when ``build/`` is stale.
+The tree is a pure function of the sources, so ``--check`` can tell when ``build/`` is stale. The
+builder owns ``build/<repo>/`` for each repo of the registry and nothing else in ``build/``: other
+files there are neither checked nor touched, and a file inside a repo folder that the build does not
+produce is removed only when asked (``prune``), since it may be someone's.
 """
 
 from __future__ import annotations
@@ -23,12 +26,10 @@ from .. import registry as registry_module
 from ..registry import Registry, Repo
 from . import cards
 
-ROOT = registry_module.ROOT
-BUILD_DIR = ROOT / "build"
-SIM_DIR = ROOT / "kernels_neuron" / "sim"
-OPS_DIR = ROOT / "kernels_neuron" / "ops"
-NKI_DIR = ROOT / "nki_src"
-HUB_BENCHMARKS_DIR = ROOT / "benchmarks" / "hub"
+from ..paths import BENCHMARKS_DIR, BUILD_DIR, NKI_DIR, OPS_DIR, SIM_DIR
+
+HUB_BENCHMARKS_DIR = BENCHMARKS_DIR / "hub"
+VERIFY_SOURCE = Path(__file__).with_name("verify.py")  # shipped as each kernel variant's _verify.py
 SIM_FILES = ("__init__.py", "dtypes.py", "errors.py", "facade.py", "isa.py", "jit.py", "language.py", "ops.py",
              "runtime.py", "targets.py", "tensor.py", "trace.py")
 IGNORED_PARTS = ("__pycache__",)
@@ -50,11 +51,15 @@ def digest(files: dict[str, bytes]) -> dict[str, str]:
 
 def _variant_init(repo: Repo, registry: Registry, simulated: bool) -> bytes:
     lines = [f'"""{repo.name} ({"torch-cpu: NKI kernels on the kernels-neuron simulator" if simulated else "torch-neuron: real NKI"}).', "",
-             GENERATED, '"""', ""]
+             GENERATED, '"""', "", "from pathlib import Path", "", "from ._verify import verify_variant", "",
+             "# Before anything else of the package runs: its files against the digest in its metadata.json.",
+             "verify_variant(Path(__file__).parent)", ""]
     if simulated:
-        lines += ["from kernels import get_kernel_dep", "",
-                  "# `import nki` must resolve before the kernel modules load: the simulator, from its own repo.",
-                  f'get_kernel_dep("{registry.repo_id("nki-sim")}").install()', ""]
+        lines += ["from kernels import get_kernel_dep  # noqa: E402", "",
+                  "# `import nki` must resolve before the kernel modules load: the simulator, from its own repo",
+                  "# (verified too).",
+                  f'_simulator = get_kernel_dep("{registry.repo_id("nki-sim")}")',
+                  "verify_variant(Path(_simulator.__file__).parent)", "_simulator.install()", ""]
     # An export is "name" (from the first public ops module) or "module:name" (from that ops module).
     default = next(op for op in repo.ops if not op.startswith("_"))
     by_module: dict[str, list[str]] = {}
@@ -86,6 +91,7 @@ def _metadata(repo: Repo, registry: Registry, backend: str, files: dict[str, byt
 
 def _kernel_package(repo: Repo) -> dict[str, bytes]:
     files = {f"{op}.py": _text(OPS_DIR / f"{op}.py") for op in repo.ops}
+    files["_verify.py"] = _text(VERIFY_SOURCE)
     if repo.layers:
         files["layers.py"] = _text(OPS_DIR / f"{repo.layers}.py")
     files["nki_src/__init__.py"] = b'"""NKI kernel sources, as in the kernels-neuron nki_src/ folder."""\n'
@@ -130,32 +136,50 @@ def repo_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not any(part in IGNORED_PARTS for part in p.parts))
 
 
-def _on_disk(out: Path) -> Tree:
-    if not out.is_dir():
-        return {}
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in repo_files(out)}
+def _on_disk(out: Path, registry: Registry) -> Tree:
+    """The files of the registry's repo folders under ``out`` (the part of ``build/`` the builder owns)."""
+    return {p.relative_to(out).as_posix(): p.read_bytes()
+            for name in registry.repos for p in repo_files(out / name) if (out / name).is_dir()}
 
 
 def stale(out: Path = BUILD_DIR, registry: Registry | None = None) -> list[str]:
     """Paths under ``out`` that differ from a fresh build: ``+`` missing, ``-`` extra, ``~`` changed."""
-    expected, actual = build_tree(registry), _on_disk(out)
+    registry = registry or registry_module.load()
+    expected, actual = build_tree(registry), _on_disk(out, registry)
     problems = [f"+ {p}" for p in sorted(expected.keys() - actual.keys())]
     problems += [f"- {p}" for p in sorted(actual.keys() - expected.keys())]
     problems += [f"~ {p}" for p in sorted(expected.keys() & actual.keys()) if expected[p] != actual[p]]
     return problems
 
 
-def write(out: Path = BUILD_DIR, registry: Registry | None = None) -> list[str]:
-    """Regenerate ``out`` from the sources (removing files the build no longer produces)."""
+class UnknownFilesError(RuntimeError):
+    """Files inside a repo folder of ``build/`` that the build does not produce (``write(prune=True)``
+    removes them)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__(f"build/ holds {len(paths)} file(s) the build does not produce: {', '.join(paths)}; "
+                         "they would be published with the repo. Move them out, or pass --prune to delete them")
+        self.paths = paths
+
+
+def write(out: Path = BUILD_DIR, registry: Registry | None = None, prune: bool = False) -> list[str]:
+    """Regenerate the registry's repo folders under ``out`` from the sources; files there that the build
+    does not produce are deleted with ``prune``, else refused (``UnknownFilesError``) before anything is
+    written."""
+    registry = registry or registry_module.load()
     tree = build_tree(registry)
-    for extra in sorted(_on_disk(out).keys() - tree.keys()):
+    extras = sorted(_on_disk(out, registry).keys() - tree.keys())
+    if extras and not prune:
+        raise UnknownFilesError(extras)
+    for extra in extras:
         (out / extra).unlink()
     for path, content in tree.items():
         target = out / path
         target.parent.mkdir(parents=True, exist_ok=True)
         if not target.exists() or target.read_bytes() != content:
             target.write_bytes(content)
-    for directory in sorted((p for p in out.rglob("*") if p.is_dir()), reverse=True):
+    owned = [out / name for name in registry.repos]
+    for directory in sorted((p for root in owned for p in root.rglob("*") if p.is_dir()), reverse=True):
         if not any(directory.iterdir()):
             directory.rmdir()
         elif directory.name in IGNORED_PARTS:

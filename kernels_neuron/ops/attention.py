@@ -116,17 +116,18 @@ def _offsets(cu_seqlens: torch.Tensor) -> list[int]:
 
 
 def check_cu_seqlens(op: str, name: str, cu_seqlens: torch.Tensor, total: int) -> list[int]:
-    """``cu_seqlens`` must be 1-D int, start at 0, strictly increase and end at the token count."""
+    """``cu_seqlens`` as FlashAttention takes them: a 1-D int32 tensor of offsets that starts at 0, never
+    decreases (an empty sequence is allowed) and ends at the token count. Returns the offsets."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
-        raise ValueError(f"{op}: {name} must be a 1-D int32/int64 tensor of at least 2 offsets, got "
-                         f"shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{op}: {name} must be a 1-D int32 tensor of at least 2 offsets (as FlashAttention "
+                         f"takes them), got shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
     offsets = _offsets(cu_seqlens)
     if offsets[0] != 0:
-        raise ValueError(f"{op}: {name} must start at 0, got {offsets[0]}")
-    if any(b <= a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"{op}: {name} must be strictly increasing (no empty sequences), got {offsets}")
+        raise ValueError(f"{op}: {name} must start at 0, got {offsets}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{op}: {name} must not decrease, got {offsets}")
     if offsets[-1] != total:
         raise ValueError(f"{op}: {name} ends at {offsets[-1]} but there are {total} tokens")
     return offsets
@@ -236,11 +237,14 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                       scale: Optional[float] = None, causal: bool = False, window: Optional[int] = None,
                       softcap: Optional[float] = None, dropout: float = 0.0, return_lse: bool = False):
-    """Packed variable-length sequences: q ``[total, H, D]``, k/v ``[total, Hkv, D]`` -> ``[total, H, D]``.
+    """Packed variable-length sequences: q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` -> ``[total_q, H, D]``.
 
-    Token ranges ``cu_seqlens[i]:cu_seqlens[i + 1]`` are sequences that attend only within themselves
-    (causal and window apply within each). For now the query and key sequences must be the same
-    (``cu_seqlens_q`` equal to ``cu_seqlens_k``). ``return_lse`` also returns the lse, ``[H, total]``.
+    Sequence ``i`` is queries ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` against keys
+    ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]`` (causal and window apply within each, aligned bottom-right
+    when a sequence has more keys than queries). Equal query and key sequences (prefill, packed training)
+    run in one launch of the kernel's packed-sequence path; otherwise (prefill against a cache, decoding
+    a padded batch) each sequence runs on its own. A sequence with queries but no key gives zeros.
+    ``return_lse`` also returns the lse, ``[H, total_q]`` fp32.
     """
     op = "flash_attn_varlen"
     q, k, v = _autocast(q, k, v)
@@ -248,21 +252,51 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     _check_options(op, scale, window, softcap, dropout)
     offsets_q = check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0])
     offsets_k = check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0])
-    if offsets_q != offsets_k:
-        raise ValueError(f"{op}: the query sequences {offsets_q} differ from the key sequences {offsets_k}; "
-                         "only equal query and key sequence lengths (cu_seqlens_q == cu_seqlens_k) are supported for now")
-    longest = max(b - a for a, b in zip(offsets_q, offsets_q[1:]))
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+    if len(offsets_q) != len(offsets_k):
+        raise ValueError(f"{op}: cu_seqlens_q holds {len(offsets_q) - 1} sequences but cu_seqlens_k "
+                         f"{len(offsets_k) - 1}")
+    for name, offsets, value in (("max_seqlen_q", offsets_q, max_seqlen_q), ("max_seqlen_k", offsets_k, max_seqlen_k)):
+        longest = max(b - a for a, b in zip(offsets, offsets[1:]))
         if int(value) < longest:
             raise ValueError(f"{op}: {name}={int(value)} is shorter than the longest sequence ({longest})")
-    if cu_seqlens_q.device != q.device:
-        raise ValueError(f"{op}: cu_seqlens_q is on {cu_seqlens_q.device} but q is on {q.device}")
+    for name, offsets in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if offsets.device != q.device:
+            raise ValueError(f"{op}: {name} is on {offsets.device} but q is on {q.device}")
+    options = dict(scale=scale, causal=causal, window=window, softcap=softcap)
+    if offsets_q == offsets_k:
+        kept = [offsets_q[0]] + [b for a, b in zip(offsets_q, offsets_q[1:]) if b > a]  # empty sequences dropped
+        out, lse = _packed(q, k, v, torch.tensor(kept, dtype=torch.int32, device=q.device), **options)
+    else:
+        out, lse = _sequence_by_sequence(q, k, v, offsets_q, offsets_k, **options)
+    return (out, lse) if return_lse else out
+
+
+def _packed(q, k, v, cu_seqlens, scale, causal, window, softcap):
+    """One launch over sequences of equal query and key lengths, as the kernel's segments."""
     d = q.shape[-1]
     packed = [x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v)]  # [1, H, total, D]
     out, lse = flash_attn_fwd(*packed, None, float(scale) if scale is not None else d ** -0.5, bool(causal),
-                              int(window or 0), float(softcap or 0.0), cu_seqlens_q.to(torch.int32))
-    out = out.squeeze(0).transpose(0, 1).contiguous()
-    return (out, lse.squeeze(0)) if return_lse else out
+                              int(window or 0), float(softcap or 0.0), cu_seqlens)
+    return out.squeeze(0).transpose(0, 1).contiguous(), lse.squeeze(0)
+
+
+def _sequence_by_sequence(q, k, v, offsets_q, offsets_k, scale, causal, window, softcap):
+    """Each (query range, key range) pair on its own, causal aligned bottom-right."""
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
+        if q1 == q0:
+            continue
+        if k1 == k0:  # no key at all: zeros, as for any row that sees no key
+            outs.append(q.new_zeros((q1 - q0,) + tuple(q.shape[1:])))
+            lses.append(q.new_full((q.shape[1], q1 - q0), float("-inf"), dtype=torch.float32))
+            continue
+        out, lse = flash_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k[k0:k1], v[k0:k1])),
+                                   scale=scale, causal=causal, window=window, softcap=softcap, return_lse=True)
+        outs.append(out.squeeze(0).transpose(0, 1))
+        lses.append(lse.squeeze(0))
+    if not outs:
+        return q.new_zeros(q.shape), q.new_full((q.shape[1], 0), float("-inf"), dtype=torch.float32)
+    return torch.cat(outs).contiguous(), torch.cat(lses, dim=1)
 
 
 # --- pure-torch references ------------------------------------------------------------------------------

@@ -50,11 +50,18 @@ def test_write_reproduces_the_tree_and_stale_reports_every_kind_of_difference(tm
     (out / "neuron-rmsnorm/build/torch-cpu/extra.py").write_text("")
     (out / "neuron-rmsnorm/build/torch-cpu/__pycache__").mkdir()
     (out / "neuron-rmsnorm/build/torch-cpu/__pycache__/layers.cpython-311.pyc").write_bytes(b"\0")  # ignored
+    (out / "lib").mkdir()  # not a repo folder (setuptools' scratch, a user's notes): neither checked nor touched
+    (out / "lib/module.py").write_text("kept")
+    (out / "NOTES.md").write_text("kept")
     assert hub.stale(out) == ["+ nki-sim/build/torch-cpu/isa.py", "- neuron-rmsnorm/build/torch-cpu/extra.py",
                               "~ neuron-rmsnorm/build/torch-cpu/layers.py"]
-    hub.write(out)
+    with pytest.raises(build.UnknownFilesError, match="neuron-rmsnorm/build/torch-cpu/extra.py.*--prune"):
+        hub.write(out)  # refused before anything is written
+    assert (out / "neuron-rmsnorm/build/torch-cpu/extra.py").exists() and not (out / "nki-sim/build/torch-cpu/isa.py").exists()
+    hub.write(out, prune=True)
     assert hub.stale(out) == []
     assert not (out / "neuron-rmsnorm/build/torch-cpu/extra.py").exists()
+    assert (out / "lib/module.py").read_text() == "kept" and (out / "NOTES.md").read_text() == "kept"
 
 
 def test_the_build_is_deterministic():

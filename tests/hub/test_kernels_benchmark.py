@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kernels_neuron import registry as registry_module
+from kernels_neuron import paths, registry as registry_module
 from kernels_neuron.hub import build
 
 KERNELS_CLI = "import sys; from kernels.cli import main; sys.argv[0] = 'kernels'; sys.exit(main())"
@@ -32,7 +32,7 @@ def test_kernels_benchmark_runs_and_verifies_offline(repo, tmp_path):
                LOCAL_KERNELS=f"{reg.repo_id('nki-sim')}={build.BUILD_DIR / 'nki-sim'}")
     done = subprocess.run([sys.executable, "-c", KERNELS_CLI, "benchmark", f"./build/{repo}",
                            "--iterations", "2", "--warmup", "1", "--output", str(out)],
-                          cwd=build.ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=paths.DATA_DIR, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert {r["workload"] for r in results} >= REPO_WORKLOADS[repo]

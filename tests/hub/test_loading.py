@@ -263,3 +263,23 @@ def test_flash_attn_repo_loads_offline_and_runs(route, tmp_path):
     assert all(error <= 1e-5 for error in result["errors"].values()), result["errors"]
     assert result["kernels"] == ["flash_attn_bwd"] + ["flash_attn_fwd"] * 4  # all on the shipped simulator
     assert result["checkout_imported"] is False
+
+
+def test_sim_capture_sees_launches_of_kernels_loaded_before_kernels_neuron():
+    """A Hub kernel loaded first brings its own copy of the simulator (nki-sim) as ``nki``;
+    kernels_neuron.sim.capture(), imported afterwards, still sees its launches."""
+    code = textwrap.dedent(f"""
+        import json, torch, kernels
+        kernel = kernels.get_kernel({RMSNORM!r}, version=1)
+        from kernels_neuron import sim
+        import nki
+        with sim.capture() as traces:
+            kernel.rms_norm(torch.randn(3, 256), torch.ones(256), 1e-6)
+        print(json.dumps({{"launches": len(traces), "kernel": traces[0].kernel if traces else None,
+                           "nki_is_the_hub_copy": not nki.__name__.startswith("kernels_neuron")}}))
+    """)
+    done = _run([sys.executable, "-c", code], _env(Path(os.environ.get("TMPDIR", "/tmp")),
+                LOCAL_KERNELS=_local_kernels("neuron-rmsnorm", "nki-sim")), Path.cwd())
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"launches": 1, "kernel": "rmsnorm_fwd", "nki_is_the_hub_copy": True}

@@ -228,3 +228,33 @@ def test_kernelize_leaves_no_handler_on_the_root_logger():
     finally:
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
+
+
+# --- arguments and models kernelize has nothing for ---------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["nueron", "cuda", "Neuron", 3])
+def test_an_unknown_device_is_a_clear_error(device):
+    with pytest.raises(ValueError, match=rf"device {device!r} is not one kernels-neuron serves; use 'neuron'"):
+        kernels_neuron.kernelize(build_tiny("llama"), device=device)
+
+
+def test_modules_of_kinds_the_hub_has_no_kernel_for_are_reported():
+    """Falcon (new decoder): LayerNorms, a non-gated MLP and an attention module kernelize cannot route; the
+    report lists each with why, rather than an empty "0 swapped, 0 kept"."""
+    config = transformers.FalconConfig(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
+                                       new_decoder_architecture=True, num_kv_heads=2)
+    model = kernels_neuron.kernelize(transformers.FalconForCausalLM(config).eval(), device="neuron")
+    report = model.kernels_neuron_report
+    assert report.swapped == [] and report.fallbacks == []
+    kinds = {row.path: (row.layer, row.reason) for row in report.no_kernel}
+    assert kinds["transformer.h.0.mlp"] == ("MLP", "FalconMLP: not a gated MLP down(act(gate(x)) * up(x)), the only "
+                                                   "MLP the hub has a kernel for")
+    assert kinds["transformer.h.0.ln_attn"][0] == kinds["transformer.ln_f"][0] == "LayerNorm"
+    assert kinds["transformer.h.0.self_attention"][0] == "attention"
+    assert "0 swapped, 0 kept their own forward, 5 with no kernel" in str(report)
+
+
+def test_moe_experts_are_reported_as_having_no_kernel():
+    model = kernels_neuron.kernelize(build_tiny("mixtral"), device="neuron")
+    experts = [(row.path, row.layer) for row in model.kernels_neuron_report.no_kernel]
+    assert experts == [("model.layers.0.mlp.experts", "MoE experts"), ("model.layers.1.mlp.experts", "MoE experts")]

@@ -31,8 +31,9 @@ def test_every_norm_is_swapped_for_the_right_layer(arch, tiny):
     assert len(norms) == ARCHS[arch].norms
     assert report.fallbacks == []
     assert [row.path for row in report.swapped] == list(norms)  # every norm, each once, nothing else
-    assert {row.layer for row in report} == {layer}
-    assert {row.kernel for row in report} == {f"{KERNEL_REPO}:{layer}"}
+    served = [row for row in report if row.status != "no kernel"]  # Mixtral's experts have no kernel
+    assert {row.layer for row in served} == {layer}
+    assert {row.kernel for row in served} == {f"{KERNEL_REPO}:{layer}"}
     for module in norms.values():
         assert_runs_kernel_layer(module, layer)
     assert report.device == "neuron" and report.mode == "inference"

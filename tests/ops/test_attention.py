@@ -279,26 +279,54 @@ def test_varlen_matches_the_reference_per_sequence(lengths, causal, window, soft
 
 
 @pytest.mark.parametrize("cu, match", [
-    (torch.tensor([[0, 4, 8]], dtype=torch.int32), "1-D int32/int64"),
-    (torch.tensor([0.0, 4.0, 8.0]), "1-D int32/int64"),
+    (torch.tensor([[0, 4, 8]], dtype=torch.int32), "1-D int32 tensor"),
+    (torch.tensor([0.0, 4.0, 8.0]), "1-D int32 tensor"),
+    (torch.tensor([0, 4, 8]), "1-D int32 tensor.*dtype torch.int64"),
     (torch.tensor([1, 4, 8], dtype=torch.int32), "must start at 0"),
-    (torch.tensor([0, 4, 4, 8], dtype=torch.int32), "strictly increasing"),
-    (torch.tensor([0, 5, 3, 8], dtype=torch.int32), "strictly increasing"),
+    (torch.tensor([0, 6, 4, 8], dtype=torch.int32), r"must not decrease, got \[0, 6, 4, 8\]"),
+    (torch.tensor([0, -2, 8], dtype=torch.int32), r"must not decrease, got \[0, -2, 8\]"),
     (torch.tensor([0, 4, 7], dtype=torch.int32), "ends at 7 but there are 8 tokens"),
 ])
-def test_varlen_rejects_bad_cu_seqlens(cu, match):
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_varlen_rejects_bad_cu_seqlens_of_the_queries_and_of_the_keys(cu, match, which):
     q, k, v = torch.randn(8, 2, 64), torch.randn(8, 2, 64), torch.randn(8, 2, 64)
-    with pytest.raises(ValueError, match=match):
-        flash_attn_varlen(q, k, v, cu, cu, 8, 8)
+    good = torch.tensor([0, 4, 8], dtype=torch.int32)
+    cu_q, cu_k = (cu, good) if which == "q" else (good, cu)
+    with pytest.raises((ValueError, TypeError), match=f"cu_seqlens_{which} .*{match}"):
+        flash_attn_varlen(q, k, v, cu_q, cu_k, 8, 8)
 
 
-def test_varlen_needs_equal_query_and_key_sequences_for_now():
-    q, k, v = torch.randn(8, 2, 64), torch.randn(10, 2, 64), torch.randn(10, 2, 64)
-    cu_q, cu_k = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([0, 6, 10], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"query sequences \[0, 4, 8\] differ from the key sequences \[0, 6, 10\]"):
-        flash_attn_varlen(q, k, v, cu_q, cu_k, 4, 6)
+def test_varlen_checks_the_sequence_counts_and_max_seqlen():
+    q, k = torch.randn(8, 2, 64), torch.randn(10, 2, 64)
+    cu_q, cu_k = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([0, 3, 6, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q holds 2 sequences but cu_seqlens_k 3"):
+        flash_attn_varlen(q, k, k, cu_q, cu_k, 4, 4)
     with pytest.raises(ValueError, match="max_seqlen_q=3 is shorter than the longest sequence"):
         flash_attn_varlen(q, q, q, cu_q, cu_q, 3, 4)
+    with pytest.raises(ValueError, match="max_seqlen_k=5 is shorter than the longest sequence"):
+        flash_attn_varlen(q, k, k, cu_q, torch.tensor([0, 4, 10], dtype=torch.int32), 4, 5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_with_different_query_and_key_sequences_matches_each_sequence_alone(causal):
+    """A chunk of queries against a longer cache per sequence (bottom-right causal), an empty sequence,
+    and a sequence whose queries have no key (zeros): every query row gets its own output."""
+    gen = torch.Generator().manual_seed(3)
+    cu_q = torch.tensor([0, 3, 3, 7, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 10, 12, 20, 20], dtype=torch.int32)
+    q = torch.randn(9, 4, 64, generator=gen)
+    k, v = (torch.randn(20, 2, 64, generator=gen) for _ in range(2))
+    out, lse = flash_attn_varlen(q, k, v, cu_q, cu_k, 4, 10, causal=causal, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, 9)
+    for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            assert torch.equal(out[q0:q1], torch.zeros_like(out[q0:q1]))
+            continue
+        ref = attention_reference(*(x.transpose(0, 1)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1])),
+                                  causal=causal)[0].transpose(0, 1)
+        torch.testing.assert_close(out[q0:q1], ref, rtol=1e-5, atol=2e-5)
 
 
 # --- gradients ------------------------------------------------------------------------------------------

@@ -228,3 +228,49 @@ def test_flash_attn_with_kvcache_equal_lengths_decode_in_one_launch():
 def test_flash_attn_with_kvcache_refuses_what_it_cannot_do(kwargs, match):
     with pytest.raises(ValueError, match=match):
         flash_attn_with_kvcache(_randn(1, 1, 4, 64), _randn(1, 20, 2, 64), _randn(1, 20, 2, 64), **kwargs)
+
+
+@pytest.mark.parametrize("window_size", [5, (5,), (4.0, 0), "full"], ids=str)
+def test_a_malformed_window_size_is_a_clear_error(window_size):
+    q = _randn(1, 8, 4, 64)
+    with pytest.raises(ValueError, match=r"window_size must be a \(left, right\) pair of ints"):
+        flash_attn_func(q, q, q, causal=True, window_size=window_size)
+
+
+@pytest.mark.parametrize("cu_q, cu_k, match", [
+    ([0, 6, 4, 10], [0, 6, 4, 10], r"cu_seqlens_q must not decrease, got \[0, 6, 4, 10\]"),
+    ([0, -2, 10], [0, -2, 10], r"cu_seqlens_q must not decrease"),
+    ([0, 4, 10], [0, 7, 5, 12], r"cu_seqlens_k must not decrease"),
+    ([0, 4, 10], [0, 7, 12, 12], "cu_seqlens_q holds 2 sequences but cu_seqlens_k 3"),
+    ([0, 4, 10], [0, 7, 11], "cu_seqlens_k ends at 11 but there are 12 tokens"),
+], ids=["decreasing", "negative", "keys-decreasing", "counts", "keys-total"])
+def test_flash_attn_varlen_func_validates_both_cu_seqlens(cu_q, cu_k, match):
+    q, k = _randn(10, 4, 64), _randn(12, 2, 64)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
+    with pytest.raises(ValueError, match=match):
+        flash_attn_varlen_func(q, k, k, cu_q, cu_k, 10, 12, causal=True)
+
+
+def test_flash_attn_with_kvcache_validates_everything_before_writing_the_cache():
+    """A -1 block in the part of block_table a sequence reads used to wrap to the last block (another
+    sequence's); it is refused now, and the cache is untouched by the refused call."""
+    q, new = _randn(2, 1, 4, 64, seed=1), _randn(2, 1, 2, 64, seed=2)
+    k_cache, v_cache = _randn(4, 16, 2, 64, seed=3), _randn(4, 16, 2, 64, seed=4)
+    before = k_cache.clone(), v_cache.clone()
+    table = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_table\[0\] names blocks \[0, -1\].*outside the cache's 0..3"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=torch.tensor([20, 5]), block_table=table)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    with pytest.raises(ValueError, match="window_size must be"):  # checked before the write too
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=3, window_size=4)
+    assert torch.equal(k_cache, before[0])
+    # entries past what a sequence reads are unused: -1 there is fine
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([10, 20]),
+                                  block_table=torch.tensor([[1, -1], [2, 3]], dtype=torch.int32))
+    expected = attention_reference(_bshd(q[:1]), _bshd(k_cache[1, :10][None]), _bshd(v_cache[1, :10][None]))
+    torch.testing.assert_close(out[:1], _bshd(expected), **TOL)
+
+
+def test_flash_attn_with_kvcache_refuses_a_query_batch_larger_than_the_cache():
+    with pytest.raises(ValueError, match="q has a batch of 3 but k_cache holds 2 sequences"):
+        flash_attn_with_kvcache(_randn(3, 1, 4, 64), _randn(2, 20, 2, 64), _randn(2, 20, 2, 64), cache_seqlens=5)

@@ -20,8 +20,8 @@ from typing import Optional, Union
 
 import torch
 
-from ._backend import SUPPORTED_FLOAT_DTYPES, is_dtensor
-from .attention import MAX_HEAD_DIM, _offsets, flash_attention, flash_attn_varlen
+from ._backend import SUPPORTED_FLOAT_DTYPES, check_float_tensor, is_dtensor
+from .attention import MAX_HEAD_DIM, _check_options, flash_attention, flash_attn_varlen
 
 _OP = "flash_attn_forward"
 
@@ -218,7 +218,11 @@ def _causal_with_padded_keys(query, key, value, runs, scaling, window, softcap, 
 
 def _window(window_size, causal: bool, op: str) -> Optional[int]:
     """FA2's ``(left, right)`` window (-1 = unbounded) as the kernel's window (keys per query)."""
-    left, right = (int(x) for x in window_size)
+    pair = tuple(window_size) if isinstance(window_size, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair):
+        raise ValueError(f"{op}: window_size must be a (left, right) pair of ints, -1 for unbounded (e.g. (4095, 0) "
+                         f"for a 4096-key sliding window), got {window_size!r}")
+    left, right = pair
     if right >= 0 and not causal:
         raise ValueError(f"{op}: a right window (window_size={tuple(window_size)}) is only supported with "
                          "causal=True; the kernel bounds keys on the left only")
@@ -256,37 +260,17 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            s_aux: Optional[torch.Tensor] = None):
     """FA2 ``flash_attn_varlen_func``: packed q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]``.
 
-    When the query and key sequences have the same lengths (prefill, packed training) the kernel runs
-    once over all of them; otherwise (decoding or chunked prefill of a padded batch) once per sequence,
-    with the causal mask aligned bottom-right. Empty sequences are allowed here (a fully padded row).
+    ``cu_seqlens_q``/``cu_seqlens_k`` are validated as FlashAttention takes them (1-D int32, from 0,
+    non-decreasing, ending at the token counts, as many sequences in both, ``max_seqlen_*`` at least
+    the longest). Equal query and key sequences run in one launch; otherwise (a prefill against a
+    cache, decoding a padded batch) each sequence runs on its own, causal aligned bottom-right.
     With ``return_attn_probs`` returns ``(out, softmax_lse [H, total_q], None)``.
     """
     op = "flash_attn_varlen_func"
     _unsupported(op, alibi_slopes=alibi_slopes, s_aux=s_aux)
-    window = _window(window_size, causal, op)
-    offsets_q, offsets_k = _offsets(cu_seqlens_q), _offsets(cu_seqlens_k)
-    if len(offsets_q) != len(offsets_k):
-        raise ValueError(f"{op}: cu_seqlens_q has {len(offsets_q) - 1} sequences but cu_seqlens_k has "
-                         f"{len(offsets_k) - 1}")
-    options = dict(scale=softmax_scale, causal=causal, window=window, softcap=softcap or None, dropout=dropout_p)
-    if offsets_q == offsets_k:
-        kept = [offsets_q[0]] + [b for a, b in zip(offsets_q, offsets_q[1:]) if b > a]  # drop empty sequences
-        cu = torch.tensor(kept, dtype=torch.int32, device=cu_seqlens_q.device)
-        out, lse = flash_attn_varlen(q, k, v, cu, cu, max_seqlen_q, max_seqlen_k, return_lse=True, **options)
-    else:
-        outs, lses = [], []
-        for (q0, q1), (k0, k1) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
-            if q1 == q0:
-                continue
-            if k1 == k0:  # no key at all: zeros, as for any row that sees no key
-                outs.append(q.new_zeros((q1 - q0,) + tuple(q.shape[1:])))
-                lses.append(q.new_full((q.shape[1], q1 - q0), float("-inf"), dtype=torch.float32))
-                continue
-            o, l = flash_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k[k0:k1], v[k0:k1])),
-                                   return_lse=True, **options)
-            outs.append(o.squeeze(0).transpose(0, 1))
-            lses.append(l.squeeze(0))
-        out, lse = torch.cat(outs).contiguous(), torch.cat(lses, dim=1)
+    out, lse = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 scale=softmax_scale, causal=causal, window=_window(window_size, causal, op),
+                                 softcap=softcap or None, dropout=dropout_p, return_lse=True)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -297,6 +281,62 @@ def _cache_positions(k_cache: torch.Tensor, block_table: Optional[torch.Tensor],
         return torch.full_like(positions, b), positions
     block_size = k_cache.shape[1]
     return block_table[b].long()[positions // block_size], positions % block_size
+
+
+def _check_kvcache(op: str, q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> list[int]:
+    """Every argument of ``flash_attn_with_kvcache`` before anything is written into the cache; returns
+    each sequence's cached length."""
+    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if tensor is not None and (not isinstance(tensor, torch.Tensor) or tensor.dim() != 4):
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{op}: {name} must be a 4-D tensor, got {shape}")
+    if (k is None) != (v is None):
+        raise ValueError(f"{op}: give both k and v, or neither")
+    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if tensor is not None:
+            check_float_tensor(op, name, tensor, contiguous=False)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    batch, d = q.shape[0], q.shape[3]
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != d or q.shape[2] % kv_heads:
+        raise ValueError(f"{op}: q {tuple(q.shape)} [B, Sq, H, D] does not fit the cache {tuple(k_cache.shape)} "
+                         "[.., .., Hkv, D] (same D, H a multiple of Hkv)")
+    if block_table is None:
+        capacity = k_cache.shape[1]
+        if k_cache.shape[0] < batch:
+            raise ValueError(f"{op}: q has a batch of {batch} but k_cache holds {k_cache.shape[0]} sequences")
+    else:
+        if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64) or block_table.shape[0] != batch:
+            raise ValueError(f"{op}: block_table must be a 2-D int32 tensor [batch={batch}, max_blocks], got shape "
+                             f"{tuple(block_table.shape)} and dtype {block_table.dtype}")
+        capacity = k_cache.shape[1] * block_table.shape[1]
+    new = 0
+    if k is not None:
+        new = k.shape[1]
+        if k.shape != v.shape or k.shape[0] != batch or tuple(k.shape[2:]) != tuple(k_cache.shape[2:]):
+            raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [batch={batch}, S_new, "
+                             f"{kv_heads}, {d}]")
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError(f"{op}: cache_seqlens is needed to append k and v to the cache")
+        lengths = [capacity] * batch
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        lengths = [cache_seqlens] * batch
+    elif isinstance(cache_seqlens, torch.Tensor) and not cache_seqlens.is_floating_point() and cache_seqlens.numel() == batch:
+        lengths = [int(x) for x in cache_seqlens.reshape(-1).tolist()]
+    else:
+        raise ValueError(f"{op}: cache_seqlens must be an int or an int tensor of {batch} lengths, got {cache_seqlens!r}")
+    if any(length < 0 or length + new > capacity for length in lengths):
+        raise ValueError(f"{op}: cache_seqlens {lengths} plus {new} new tokens do not fit the cache of {capacity}")
+    if block_table is not None:  # only the blocks a sequence reads must exist; the entries past it are unused
+        blocks = k_cache.shape[0]
+        for b, length in enumerate(lengths):
+            used = block_table[b, :(length + new + k_cache.shape[1] - 1) // k_cache.shape[1]]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= blocks):
+                raise ValueError(f"{op}: block_table[{b}] names blocks {used.tolist()} for its {length + new} "
+                                 f"tokens, outside the cache's 0..{blocks - 1}")
+    return lengths
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -314,30 +354,19 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     ``k``/``v`` ``[B, S_new, Hkv, D]``, when given, are written into the cache (in place) after the
     ``cache_seqlens`` tokens already there, and attended to. Sequence ``b`` then attends to its first
-    ``cache_seqlens[b] (+ S_new)`` cached keys, causally aligned bottom-right. With
-    ``return_softmax_lse`` returns ``(out, softmax_lse [B, H, Sq])``.
+    ``cache_seqlens[b] (+ S_new)`` cached keys, causally aligned bottom-right. Every argument is checked
+    before the cache is written; a paged sequence reads only the blocks its length covers (entries of
+    ``block_table`` past them are unused and may be anything). With ``return_softmax_lse`` returns
+    ``(out, softmax_lse [B, H, Sq])``.
     """
     op = "flash_attn_with_kvcache"
     _unsupported(op, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
                  cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes, s_aux=s_aux)
-    if (k is None) != (v is None):
-        raise ValueError(f"{op}: give both k and v, or neither")
-    batch, sq = q.shape[0], q.shape[1]
-    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    if cache_seqlens is None:
-        if k is not None:
-            raise ValueError(f"{op}: cache_seqlens is needed to append k and v to the cache")
-        lengths = [capacity] * batch
-    elif isinstance(cache_seqlens, int):
-        lengths = [cache_seqlens] * batch
-    else:
-        lengths = [int(x) for x in cache_seqlens.reshape(-1).tolist()]
-        if len(lengths) != batch:
-            raise ValueError(f"{op}: cache_seqlens has {len(lengths)} entries for a batch of {batch}")
-    new = 0 if k is None else k.shape[1]
-    if any(length + new > capacity or length < 0 for length in lengths):
-        raise ValueError(f"{op}: cache_seqlens {lengths} plus {new} new tokens do not fit the cache of {capacity}")
+    lengths = _check_kvcache(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     window = _window(window_size, causal, op)
+    _check_options(op, softmax_scale, window, softcap or None, 0.0)
+    batch, sq = q.shape[0], q.shape[1]
+    new = 0 if k is None else k.shape[1]
     options = dict(scale=softmax_scale, causal=causal, window=window, softcap=softcap or None)
     keys, values = [], []
     for b, length in enumerate(lengths):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,7 +22,22 @@ from .targets import Target, resolve
 from .tensor import Tensor
 from .trace import Trace
 
-_captures = threading.local()
+
+def _shared_captures() -> threading.local:
+    """The open ``capture`` blocks, per thread, shared by every copy of the simulator in the process:
+    kernels loaded from the Hub run on the ``nki-sim`` repo's copy of this code (a separate module
+    object), and ``kernels_neuron.sim.capture()`` must see their launches too. The state lives on one
+    module object registered under a fixed name in ``sys.modules``, which every copy finds."""
+    holder = sys.modules.get(_CAPTURES_MODULE)
+    if holder is None:
+        holder = sys.modules.setdefault(_CAPTURES_MODULE, types.ModuleType(_CAPTURES_MODULE))
+    if not hasattr(holder, "local"):
+        holder.local = threading.local()
+    return holder.local
+
+
+_CAPTURES_MODULE = "_nki_simulator_captures"
+_captures = _shared_captures()
 
 
 class KernelInterfaceError(NkiValidationError, TypeError):
