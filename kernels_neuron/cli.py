@@ -1,4 +1,4 @@
-"""The ``kernels-neuron`` command line."""
+"""The kernels-neuron command line."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ import re
 import sys
 import textwrap
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -504,9 +505,10 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attent
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize: expected a torch.nn.Module, got {type(model).__name__}")
-    if device not in DEVICES:
-        raise ValueError(f"kernelize: device {device!r} is not one kernels-neuron serves; use 'neuron' (Trainium, "
-                         "or its kernels on the CPU simulator where there is none) or 'cpu' (the simulator)")
+    device = _device_key(device)
+    for name, value in (("attention", attention), ("mlp", mlp)):
+        if not isinstance(value, bool):
+            raise TypeError(f"kernelize: {name} must be True or False, got {value!r}")
     reg = registry_module.load()
     requested = resolve_mode(model, mode)
     candidates = _candidates(model, reg)
@@ -534,12 +536,28 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, attent
                                      weakref.ref(module)))
     if attention:
         report.rows += _kernelize_attention(model, reg, requested)
+    else:
+        _restore_own_attention(model, reg)
     report.rows += _without_kernel(model, considered, attention)
+    if report.fallbacks:
+        warnings.warn(f"kernels-neuron: kernelize kept {len(report.fallbacks)} module(s) on their own forward, e.g. "
+                      f"{report.fallbacks[0].path}: {report.fallbacks[0].reason} (model.kernels_neuron_report lists "
+                      "them all)", stacklevel=2)
     model.kernels_neuron_report = report
     return model
 
 
 DEVICES = ("neuron", "cpu")  # the kernels-library device keys kernelize registers the hub's layers for
+
+
+def _device_key(device: Any) -> str:
+    """``device`` ("neuron", "cpu", "neuron:0", a torch.device) as the kernels-library key, or a clear error."""
+    key = device.type if type(device).__name__ == "device" else device
+    key = key.split(":", 1)[0] if isinstance(key, str) else key
+    if key not in DEVICES:
+        raise ValueError(f"kernelize: device {device!r} is not one kernels-neuron serves; use 'neuron' (Trainium, "
+                         "or its kernels on the CPU simulator where there is none) or 'cpu' (the simulator)")
+    return key
 
 # Kinds of module the hub has no kernel for yet, by class name, so that the report can say so
 # rather than leave them out: (what the name ends with, the kind, why).
@@ -648,6 +666,15 @@ def _register_attention(reg: Registry) -> dict[str, Any]:
         AttentionInterface.register(entry.name, _attention_dispatcher(loaded[entry.name]))
         AttentionMaskInterface.register(entry.name, sdpa_mask)
     return loaded
+
+
+def _restore_own_attention(model: nn.Module, reg: Registry) -> None:
+    """``attention=False`` on a model an earlier kernelize routed: back to the attention it had before."""
+    names = {entry.name for entry in reg.attention}
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) in names:
+        originals = {getattr(m, _ORIGINAL_ATTENTION, "sdpa") for _, m in _attention_modules(model)}
+        model.set_attn_implementation(originals.pop() if len(originals) == 1 else "sdpa")
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

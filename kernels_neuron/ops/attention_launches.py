@@ -163,10 +163,11 @@ def _window_bias(launch: Launch, offset: int, device: torch.device) -> torch.Ten
     return torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))[None, None]
 
 
-def _block_bias(bias: Optional[torch.Tensor], launch: Launch, offset: int) -> Optional[torch.Tensor]:
+def _block_bias(bias: Optional[torch.Tensor], launch: Launch, offset: int,
+                device: torch.device) -> Optional[torch.Tensor]:
     piece = None if bias is None else bias[:, :, launch.q0:launch.q1, launch.k0:launch.k1]
     if launch.bias_window:
-        window = _window_bias(launch, offset, bias.device if bias is not None else torch.device("cpu"))
+        window = _window_bias(launch, offset, device)
         piece = window if piece is None else piece + window
     return None if piece is None else piece.contiguous()
 
@@ -188,9 +189,10 @@ def forward(kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: tor
     out = q.new_zeros(q.shape, dtype=torch.float32)
     lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
     for launch in launches:
+        block_bias = _block_bias(bias, launch, offset, q.device)
         block_out, block_lse = run_kernel(kernel, _block(q, launch.q0, launch.q1), _block(k, launch.k0, launch.k1),
-                                          _block(v, launch.k0, launch.k1), _block_bias(bias, launch, offset), scale,
-                                          launch.causal, launch.window, softcap, launch.segments)
+                                          _block(v, launch.k0, launch.k1), block_bias, scale, launch.causal,
+                                          launch.window, softcap, launch.segments)
         rows = slice(launch.q0, launch.q1)
         merged = torch.logaddexp(lse[:, :, rows], block_lse)
         out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
@@ -216,8 +218,8 @@ def backward(kernel: Callable[..., Any], grad_out: torch.Tensor, q: torch.Tensor
         queries, keys = (launch.q0, launch.q1), (launch.k0, launch.k1)
         block_dq, block_dk, block_dv = run_kernel(
             kernel, _block(q, *queries), _block(k, *keys), _block(v, *keys), _block(out, *queries),
-            _block(grad_out, *queries), lse[:, :, launch.q0:launch.q1].contiguous(), _block_bias(bias, launch, offset),
-            scale, launch.causal, launch.window, softcap, launch.segments)
+            _block(grad_out, *queries), lse[:, :, launch.q0:launch.q1].contiguous(),
+            _block_bias(bias, launch, offset, q.device), scale, launch.causal, launch.window, softcap, launch.segments)
         dq[:, :, launch.q0:launch.q1] += block_dq.float()
         dk[:, :, launch.k0:launch.k1] += block_dk.float()
         dv[:, :, launch.k0:launch.k1] += block_dv.float()

@@ -16,11 +16,12 @@ left of the query, so it is the kernel's window ``left + 1``; a right window nee
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional, Union
 
 import torch
 
-from ._backend import SUPPORTED_FLOAT_DTYPES, check_float_tensor, is_dtensor
+from ._backend import SUPPORTED_FLOAT_DTYPES, autocast_dtype, check_float_tensor, is_dtensor
 from .attention import MAX_HEAD_DIM, _check_options, flash_attention, flash_attn_varlen
 
 _OP = "flash_attn_forward"
@@ -108,7 +109,8 @@ def flash_attn_forward(module: Optional[torch.nn.Module], query: torch.Tensor, k
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     sq, sk = query.shape[2], key.shape[2]
-    packed = _packed_sequences(query, key, attention_mask, kwargs)
+    packed = _packed_sequences(query, key, attention_mask, bool(is_causal), int(window or 0) if is_causal else 0,
+                               kwargs)
     if packed is not None:
         return _packed_attention(query, key, value, packed, scaling, bool(is_causal), window, softcap, dropout), None
     runs = _padding_runs(attention_mask, sq, sk, int(window or 0)) if is_causal else None
@@ -130,30 +132,62 @@ def flash_attn_forward(module: Optional[torch.nn.Module], query: torch.Tensor, k
 
 # --- packed sequences and padding as sequences -----------------------------------------------------------
 # Packed and padded batches arrive as dense masks; the kernel runs them faster as sequences it can skip
-# whole key tiles of. Each route is taken only when it computes exactly what the mask says.
+# whole key tiles of. Each route is taken only when the mask says exactly that (checked against it), so
+# it computes what the mask says. A model calls the attention function once per layer with the same
+# mask, so the check is made once per mask (``_once_per_mask``).
 
-def _packed_sequences(query, key, attention_mask, kwargs) -> Optional[torch.Tensor]:
-    """cu_seqlens of the sequences packed into a batch of one: transformers' ``cu_seq_lens_q/k``
-    (TRL's padding-free batches), else ``position_ids`` that restart (as transformers' masks read
-    them: a new sequence wherever the position does not grow by 1). None when not packed, and while
-    torch.compile traces (the sequences are data)."""
+_last_check: list = []  # [mask weakref, mask version, key, result] of the latest check
+
+
+def _once_per_mask(mask: torch.Tensor, key: tuple, check) -> object:
+    """``check()``, or its result for this same mask (unchanged since) and key."""
+    version = mask._version
+    if _last_check and _last_check[0]() is mask and _last_check[1:3] == [version, key]:
+        return _last_check[3]
+    result = check()
+    _last_check[:] = [weakref.ref(mask), version, key, result]
+    return result
+
+
+def _visible(sq: int, sk: int, causal: bool, window: int, device) -> torch.Tensor:
+    """[Sq, Sk] bool: causal (bottom-right) within ``window``, as transformers' masks build it."""
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    visible = (j <= i) if causal else torch.ones(sq, sk, dtype=torch.bool, device=device)
+    return visible & (j > i - window) if window else visible
+
+
+def _packed_sequences(query, key, attention_mask, causal: bool, window: int, kwargs) -> Optional[torch.Tensor]:
+    """cu_seqlens of the sequences packed into a batch of one, when the bool mask is exactly those
+    sequences attending within themselves (causal and window as for the model): from transformers'
+    ``cu_seq_lens_q/k`` (TRL's padding-free batches), else from ``position_ids`` that restart (as
+    transformers' masks read them: a new sequence wherever the position does not grow by 1). None
+    otherwise, and while torch.compile traces (the sequences are data)."""
     total = query.shape[2]
-    if query.shape[0] != 1 or key.shape[2] != total or torch.compiler.is_compiling():
+    if (query.shape[0] != 1 or key.shape[2] != total or attention_mask is None or attention_mask.dtype != torch.bool
+            or tuple(attention_mask.shape) != (1, 1, total, total) or torch.compiler.is_compiling()):
         return None
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    cu_q, cu_k, positions = (kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids"))
     if cu_q is not None and cu_k is not None:
-        if cu_q.shape == cu_k.shape and torch.equal(cu_q, cu_k) and int(cu_q[-1]) == total:
-            return cu_q
+        if cu_q.shape != cu_k.shape or not torch.equal(cu_q, cu_k) or int(cu_q[0]) != 0 or int(cu_q[-1]) != total:
+            return None
+        cu = cu_q.to(torch.int32)
+    elif positions is not None and positions.numel() == total:
+        starts = (positions.reshape(-1).diff() != 1).nonzero().reshape(-1) + 1
+        edges = torch.tensor([0, total], device=starts.device)
+        cu = torch.cat([edges[:1], starts, edges[1:]]).to(torch.int32)
+    else:
         return None
-    positions = kwargs.get("position_ids")
-    if positions is None or attention_mask is None or positions.numel() != total or attention_mask.dtype != torch.bool:
+    if cu.numel() < 3:  # one sequence: the plain causal path is the same
         return None
-    starts = (positions.reshape(-1).diff() != 1).nonzero().reshape(-1) + 1
-    # A padded key is masked for every query, its own included: a mask whose diagonal is all True has none.
-    if starts.numel() == 0 or not bool(attention_mask[0, 0].diagonal().all()):
-        return None
-    edges = torch.tensor([0, total], device=starts.device)
-    return torch.cat([edges[:1], starts, edges[1:]]).to(torch.int32)
+
+    def check() -> bool:
+        lengths = cu[1:] - cu[:-1]
+        ids = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths.long())
+        same = ids[:, None] == ids[None, :]
+        return torch.equal(attention_mask[0, 0], same & _visible(total, total, causal, window, same.device))
+
+    return cu if _once_per_mask(attention_mask, ("packed", cu.tolist(), causal, window), check) else None
 
 
 def _packed_attention(query, key, value, cu_seqlens, scaling, causal, window, softcap, dropout) -> torch.Tensor:
@@ -171,19 +205,20 @@ def _padding_runs(mask, sq: int, sk: int, window: int) -> Optional[list[tuple[in
     if (mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
             or tuple(mask.shape[2:]) != (sq, sk) or torch.compiler.is_compiling()):
         return None
-    i = torch.arange(sq, device=mask.device)[:, None] + (sk - sq)
-    j = torch.arange(sk, device=mask.device)[None, :]
-    visible = (j <= i) & ((j > i - window) if window else True)
-    kept = mask[:, 0].any(dim=1)  # [B, Sk]
-    if not torch.equal(mask[:, 0], visible[None] & kept[:, None, :]):
-        return None
-    runs = []
-    for row in kept:
-        indices = row.nonzero().reshape(-1)
-        if indices.numel() == 0 or int(indices[-1] - indices[0]) + 1 != indices.numel():
-            return None  # no key, or kept keys with a gap
-        runs.append((int(indices[0]), int(indices[-1]) + 1))
-    return runs
+
+    def check() -> Optional[list[tuple[int, int]]]:
+        kept = mask[:, 0].any(dim=1)  # [B, Sk]
+        if not torch.equal(mask[:, 0], _visible(sq, sk, True, window, mask.device)[None] & kept[:, None, :]):
+            return None
+        runs = []
+        for row in kept:
+            indices = row.nonzero().reshape(-1)
+            if indices.numel() == 0 or int(indices[-1] - indices[0]) + 1 != indices.numel():
+                return None  # no key, or kept keys with a gap
+            runs.append((int(indices[0]), int(indices[-1]) + 1))
+        return runs
+
+    return _once_per_mask(mask, ("padding", sq, sk, window), check)
 
 
 def _unpadded_attention(query, key, value, runs, scaling, window, softcap, dropout) -> torch.Tensor:
@@ -297,7 +332,14 @@ def _check_kvcache(op: str, q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
             check_float_tensor(op, name, tensor, contiguous=False)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    devices = {t.device for t in (q, k_cache, v_cache, k, v, block_table, cache_seqlens) if isinstance(t, torch.Tensor)}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: the tensors are on different devices: {sorted(map(str, devices))}")
+    if autocast_dtype(q) is None and q.dtype != k_cache.dtype:
+        raise TypeError(f"{op}: q has dtype {q.dtype} but the cache {k_cache.dtype}; they must match")
     batch, d = q.shape[0], q.shape[3]
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head_dim {d} is above the kernel's limit of {MAX_HEAD_DIM}")
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != d or q.shape[2] % kv_heads:
         raise ValueError(f"{op}: q {tuple(q.shape)} [B, Sq, H, D] does not fit the cache {tuple(k_cache.shape)} "
@@ -308,7 +350,7 @@ def _check_kvcache(op: str, q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
             raise ValueError(f"{op}: q has a batch of {batch} but k_cache holds {k_cache.shape[0]} sequences")
     else:
         if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64) or block_table.shape[0] != batch:
-            raise ValueError(f"{op}: block_table must be a 2-D int32 tensor [batch={batch}, max_blocks], got shape "
+            raise ValueError(f"{op}: block_table must be a 2-D int32 (or int64) tensor [batch={batch}, max_blocks], got shape "
                              f"{tuple(block_table.shape)} and dtype {block_table.dtype}")
         capacity = k_cache.shape[1] * block_table.shape[1]
     new = 0

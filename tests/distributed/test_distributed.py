@@ -6,7 +6,6 @@ gradient match the same step of the un-kernelized model in one process, and the 
 import socket
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 import workers
@@ -32,7 +31,7 @@ def _spawn(tmp_path_factory, world: int, scenarios: list[str]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return _spawn(tmp_path_factory, 2, ["ddp", "fsdp2", "torch_tp", "transformers_tp"])
+    return _spawn(tmp_path_factory, 2, ["ddp", "fsdp2", "torch_tp", "sequence_parallel", "transformers_tp"])
 
 
 def _check(result: dict, kernels=("flash_attn_bwd", "flash_attn_fwd", "mlp_bwd", "mlp_fwd", "rmsnorm_bwd",
@@ -53,6 +52,18 @@ def test_a_training_step_matches_one_process(two_ranks, scenario, swapped):
         _check(result[scenario])
         assert result[scenario]["fallbacks"] == {}
         assert len(result[scenario]["swapped"]) == swapped
+
+
+@pytest.mark.slow
+def test_a_sequence_parallel_mlp_runs_its_own_forward_and_is_right(two_ranks):
+    """Sharded weights behind hooks of a layout the fused layer does not reproduce (tokens split across
+    ranks): the MLP keeps its own forward, with the reason, instead of summing other ranks' tokens."""
+    for result in two_ranks:
+        result = result["sequence_parallel"]
+        assert result["error"] is None, result["error"]
+        assert result["output_error"] < 1e-5
+        assert list(result["fallbacks"]) == ["<model>"] and result["swapped"] == []
+        assert "gate_proj has hooks" in result["fallbacks"]["<model>"]
 
 
 @pytest.mark.slow

@@ -122,6 +122,25 @@ def torch_tp(rank: int, world: int, model_dir: str) -> dict:
     return {**compare(step(model, batch()), want), **report(model)}
 
 
+def sequence_parallel(rank: int, world: int, model_dir: str) -> dict:
+    """torch's sequence-parallel variant of the MLP plan (input and output split by tokens): not the layout
+    the fused layer reproduces, so the MLP must run its own forward, and be right."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    reference = tiny("Llama").model.layers[0].mlp
+    mlp = tiny("Llama").model.layers[0].mlp
+    plan = {"gate_proj": ColwiseParallel(input_layouts=Shard(1)), "up_proj": ColwiseParallel(input_layouts=Shard(1)),
+            "down_proj": RowwiseParallel(output_layouts=Shard(1))}
+    parallelize_module(mlp, init_device_mesh("cpu", (world,)), plan)
+    kernelize(mlp)
+    x = torch.randn(2, SEQ, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(2))
+    local = x.chunk(world, dim=1)[rank]
+    error = float((mlp(local) - reference(x).chunk(world, dim=1)[rank]).abs().max())
+    return {"error": None, "output_error": error, **report(mlp)}
+
+
 def transformers_tp(rank: int, world: int, model_dir: str) -> dict:
     """transformers' own TP plan (Qwen3: its per-head q/k norms all-reduce their gradients), then kernelize."""
     from transformers import AutoModelForCausalLM
@@ -153,8 +172,8 @@ def fsdp2_tp(rank: int, world: int, model_dir: str) -> dict:
     return {**compare(got, want), **report(model)}
 
 
-SCENARIOS = {"ddp": ddp, "fsdp2": fsdp2, "torch_tp": torch_tp, "transformers_tp": transformers_tp,
-             "fsdp2_tp": fsdp2_tp}
+SCENARIOS = {"ddp": ddp, "fsdp2": fsdp2, "torch_tp": torch_tp, "sequence_parallel": sequence_parallel,
+             "transformers_tp": transformers_tp, "fsdp2_tp": fsdp2_tp}
 
 
 def run(rank: int, world: int, port: int, scenarios: list[str], out: str, model_dir: str) -> None:

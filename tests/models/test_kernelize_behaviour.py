@@ -258,3 +258,31 @@ def test_moe_experts_are_reported_as_having_no_kernel():
     model = kernels_neuron.kernelize(build_tiny("mixtral"), device="neuron")
     experts = [(row.path, row.layer) for row in model.kernels_neuron_report.no_kernel]
     assert experts == [("model.layers.0.mlp.experts", "MoE experts"), ("model.layers.1.mlp.experts", "MoE experts")]
+
+
+@pytest.mark.parametrize("device", [torch.device("cpu"), "neuron:0"], ids=str)
+def test_a_torch_device_or_an_indexed_device_name_is_accepted(device):
+    model = kernels_neuron.kernelize(build_tiny("llama"), device=device, attention=False, mlp=False)
+    assert model.kernels_neuron_report.device == str(device).split(":")[0] and len(model.kernels_neuron_report.swapped) == 5
+
+
+@pytest.mark.parametrize("argument", ["attention", "mlp"])
+def test_the_switches_must_be_bools(argument):
+    with pytest.raises(TypeError, match=f"{argument} must be True or False, got 'yes'"):
+        kernels_neuron.kernelize(build_tiny("llama"), device="neuron", **{argument: "yes"})
+
+
+def test_kernelizing_again_with_attention_false_gives_the_model_its_own_attention_back():
+    model = kernels_neuron.kernelize(build_tiny("llama"), device="neuron")
+    assert model.config._attn_implementation == "kernels_neuron_attention"
+    kernels_neuron.kernelize(model, device="neuron", attention=False)
+    assert model.config._attn_implementation == "sdpa"
+    with sim.capture() as traces:
+        model(input_ids())
+    assert not any(t.kernel.startswith("flash_attn") for t in traces)
+
+
+def test_modules_kept_on_their_own_forward_are_warned_about_once_per_kernelize():
+    with pytest.warns(UserWarning, match=r"kernelize kept 4 module\(s\) on their own forward, e.g. "
+                                         r"model.layers.0.self_attn.q_norm: hidden size 32"):
+        _kernelize(build_tiny("qwen3", head_dim=32))

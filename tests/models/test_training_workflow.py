@@ -271,3 +271,18 @@ def test_a_sequence_longer_than_one_launch_trains_like_the_reference(monkeypatch
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for (name, p), (_, q) in zip(kernelized.named_parameters(), model.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_position_ids_that_jump_do_not_make_a_plain_causal_mask_packed(varlen_calls):
+    """Positions with a gap (e.g. a prompt continued after skipped tokens) and a mask that is plainly
+    causal (with the sliding window): the mask is what counts, not the positions."""
+    model = build_tiny("mistral", sliding_window=4, use_cache=False).eval()
+    kernelized = _kernelized(model)
+    calls = varlen_calls(kernelized)
+    ids = input_ids(1, 8)
+    positions = torch.tensor([[0, 1, 2, 3, 10, 11, 12, 13]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, position_ids=positions).logits
+        torch.testing.assert_close(kernelized(ids, attention_mask=mask, position_ids=positions).logits, expected, **TOL)
+    assert [c.tolist() for c in calls] == [[0, 8], [0, 8]]  # one sequence per layer, not split at the jump

@@ -274,3 +274,28 @@ def test_flash_attn_with_kvcache_validates_everything_before_writing_the_cache()
 def test_flash_attn_with_kvcache_refuses_a_query_batch_larger_than_the_cache():
     with pytest.raises(ValueError, match="q has a batch of 3 but k_cache holds 2 sequences"):
         flash_attn_with_kvcache(_randn(3, 1, 4, 64), _randn(2, 20, 2, 64), _randn(2, 20, 2, 64), cache_seqlens=5)
+
+
+def test_packing_hints_that_disagree_with_the_mask_are_ignored():
+    """cu_seq_lens or restarting position_ids are used only when the mask is exactly those sequences:
+    with a plain causal mask the result is the causal one."""
+    q, k, v = _randn(1, 4, 12, 64, seed=1), _randn(1, 2, 12, 64, seed=2), _randn(1, 2, 12, 64, seed=3)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    expected = attention_reference(q, k, v, causal=True)
+    for hints in ({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, {"position_ids": positions}):
+        out, _ = flash_attn_forward(None, q, k, v, causal, **hints)
+        torch.testing.assert_close(_bshd(out), expected, **TOL)
+    packed = causal & torch.block_diag(torch.ones(5, 5), torch.ones(7, 7)).bool()[None, None]
+    out, _ = flash_attn_forward(None, q, k, v, packed, position_ids=positions)
+    torch.testing.assert_close(_bshd(out), attention_reference(q, k, v, causal=True, cu_seqlens=cu), **TOL)
+
+
+def test_flash_attn_with_kvcache_refuses_a_query_dtype_other_than_the_caches_before_writing():
+    q, new = _randn(1, 1, 4, 64).bfloat16(), _randn(1, 1, 2, 64)
+    k_cache, v_cache = _randn(1, 8, 2, 64, seed=3), _randn(1, 8, 2, 64, seed=4)
+    before = k_cache.clone()
+    with pytest.raises(TypeError, match="q has dtype torch.bfloat16 but the cache torch.float32"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=2)
+    assert torch.equal(k_cache, before)

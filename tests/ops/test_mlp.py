@@ -361,3 +361,15 @@ def test_bad_low_rank_updates_get_a_clear_error(updates, match):
     args = _inputs(shape, torch.float32)
     with pytest.raises(ValueError, match=match):
         gated_mlp(*args, "silu", updates=updates(_updates(shape)))
+
+
+def test_low_rank_updates_without_gradients_keep_nothing_for_a_backward():
+    """Inference with unmerged adapters (eval, generate) writes only the output, like the plain MLP."""
+    shape = (8, 96, 160)
+    args = _inputs(shape, torch.float32)
+    updates = _updates(shape)
+    with torch.no_grad(), sim.capture() as traces:
+        out = gated_mlp(*args, "silu", updates=updates)
+    written = sum(i.hbm_bytes_written for t in traces for i in t.instructions)
+    assert written == out.nbytes
+    torch.testing.assert_close(out, gated_mlp_reference(*args, "silu", updates=updates), rtol=1e-5, atol=1e-5)

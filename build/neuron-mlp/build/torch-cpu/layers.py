@@ -23,6 +23,7 @@ run its own forward for that call, with the reason kept on the module and warned
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import NamedTuple, Optional, Union
 
@@ -41,10 +42,14 @@ LIMITS = (f"projections without bias: plain nn.Linear, PEFT LoRA over one, or te
 
 
 class Projection(NamedTuple):
-    """What a projection computes, as the kernel takes it: its weight and any low-rank updates."""
+    """What a projection computes, as the kernel takes it: its weight (this rank's shard under tensor
+    parallelism) and any low-rank updates; for a tensor-parallel shard, how the weight is split
+    ("rows": column-parallel, "columns": row-parallel) and on which mesh."""
 
     weight: torch.Tensor
     updates: tuple[LowRankUpdate, ...] = ()
+    split: Optional[str] = None
+    mesh: object = None
 
 
 def _hooks(module: nn.Module) -> list[str]:
@@ -114,14 +119,23 @@ def _projection(module: nn.Module, attribute: str) -> Union[Projection, str]:
     tuners = sys.modules.get("peft.tuners.tuners_utils")
     if tuners is not None and isinstance(linear, tuners.BaseTunerLayer):
         return f"{what} is a PEFT {type(linear).__module__.split('.')[-2]} layer ({type(linear).__name__}), not LoRA"
-    if _tensor_parallel_shard(linear) is not None:  # the TP plan's own hooks/forward: reproduced by the layer
-        return Projection(linear.weight) if linear.bias is None else f"{what} has a bias (the kernel adds none)"
+    shard = _tensor_parallel_shard(linear)
+    if shard is not None:  # the TP plan's own hooks/forward, which the layer reproduces
+        return shard if linear.bias is None else f"{what} has a bias (the kernel adds none)"
     return _plain_linear(linear, what)
 
 
-def _tensor_parallel_shard(linear: nn.Module) -> Optional[int]:
-    """The dim (0 rows, 1 columns) a TP plan split ``linear``'s weight by, when it is a DTensor on a 1-D
-    mesh sharded that way and the linear's hooks or forward are the plan's own."""
+# The two tensor-parallel styles the fused layer reproduces, by how they split the weight: column-parallel
+# (rows split; replicated input, output split by features, local output) and row-parallel (columns split;
+# input split by features, replicated output, local output). Sequence parallelism and other layouts are not.
+_STANDARD_STYLES = {"rows": ("ColwiseParallel", "Replicate()", "Shard(dim=-1)"),
+                    "columns": ("RowwiseParallel", "Shard(dim=-1)", "Replicate()")}
+
+
+def _tensor_parallel_shard(linear: nn.Module) -> Optional[Projection]:
+    """``linear`` as a tensor-parallel shard: its weight a DTensor on a 1-D mesh split by rows or columns,
+    and every hook (torch's ``parallelize_module``) or replaced forward (transformers' plans) on it the
+    matching standard style (``_STANDARD_STYLES``); else None."""
     weight = getattr(linear, "weight", None)
     if type(linear) is not nn.Linear or not is_dtensor(weight) or weight.device_mesh.ndim != 1:
         return None
@@ -130,11 +144,38 @@ def _tensor_parallel_shard(linear: nn.Module) -> Optional[int]:
     (placement,) = weight.placements
     if not isinstance(placement, Shard) or placement.dim not in (0, 1):
         return None
+    split = "rows" if placement.dim == 0 else "columns"
+    style, inputs, outputs = _STANDARD_STYLES[split]
     hooks = [*linear._forward_pre_hooks.values(), *linear._forward_hooks.values()]
-    plan_hooks = all(getattr(h, "__qualname__", "").startswith("distribute_module.") for h in hooks)  # torch
     forward = vars(linear).get("forward")
-    plan_forward = forward is None or getattr(forward, "__qualname__", "").endswith("install_forward.<locals>.tp_forward")
-    return placement.dim if plan_hooks and plan_forward else None
+    if hooks and forward is None:  # torch: one input and one output hook, each a partial of the style's function
+        layouts = {}
+        for hook in hooks:
+            for value in _closure(hook):
+                if isinstance(value, functools.partial) and value.func.__qualname__.startswith(f"{style}._prepare_"):
+                    layouts[value.func.__qualname__.rpartition(".")[2]] = value.args
+        standard = (len(hooks) == 2 and _placements(layouts.get("_prepare_input_fn", ((),))[0]) == inputs
+                    and layouts.get("_prepare_output_fn", ((), False))[1] is True
+                    and _placements(layouts["_prepare_output_fn"][0]) == outputs)
+    elif forward is not None and not hooks:  # transformers: the style object in the replaced forward's closure
+        styles = [v for v in _closure(forward) if type(v).__name__ == style
+                  and type(v).__module__.startswith("transformers.")]
+        standard = (len(styles) == 1 and _placements(styles[0].input_layouts) == inputs
+                    and _placements(styles[0].output_layouts) == outputs and styles[0].use_local_output is True)
+    else:
+        standard = False
+    return Projection(weight.to_local(), (), split, weight.device_mesh) if standard else None
+
+
+def _closure(function: object) -> list:
+    return [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()]
+
+
+def _placements(layouts: object) -> str:
+    """A placement, or a 1-tuple of one, as text ("Replicate()", "Shard(dim=-1)")."""
+    if isinstance(layouts, tuple):
+        layouts = layouts[0] if len(layouts) == 1 else layouts
+    return repr(layouts)
 
 
 class _Plan(NamedTuple):
@@ -161,25 +202,26 @@ def _resolve(layer: str, module: nn.Module, x: Optional[torch.Tensor]) -> Union[
         reasons.append(f"{name}.{present[0]}: {describe_activation(getattr(module, present[0]))}")
     if reasons:
         return reasons
-    mesh, reasons = _tensor_parallel_mesh(name, layer, module, projections)
+    mesh, reasons = _tensor_parallel_mesh(name, layer, projections)
     if reasons:
         return reasons
-    weights = {a: p.weight.to_local() if mesh is not None else p.weight
-               for a, p in zip(_PROJECTIONS[layer], projections) if p is not None}
+    weights = {a: p.weight for a, p in zip(_PROJECTIONS[layer], projections) if p is not None}
     reasons += _limits(name, weights, x)
     return reasons or _Plan(tuple(projections), kind, mesh)
 
 
-def _tensor_parallel_mesh(name: str, layer: str, module: nn.Module, projections) -> tuple[object, list[str]]:
-    shards = [None if a is None else _tensor_parallel_shard(getattr(module, a)) for a in _PROJECTIONS[layer]]
-    sharded = [p for p, shard in zip(projections, shards) if p is not None and is_dtensor(p.weight)]
-    if not sharded:
+def _tensor_parallel_mesh(name: str, layer: str, projections) -> tuple[object, list[str]]:
+    """The mesh when the projections are a complete tensor-parallel MLP (gate/up split by rows, down by
+    columns, one mesh), None when none is sharded, else why not."""
+    present = [p for p in projections if p is not None]
+    if all(p.split is None and not is_dtensor(p.weight) for p in present):
         return None, []
-    expected = [None if a is None else (1 if a == "down_proj" else 0) for a in _PROJECTIONS[layer]]
-    meshes = {p.weight.device_mesh for p in sharded}
-    if shards != expected or len(meshes) != 1 or any(p.updates for p in projections if p is not None):
+    expected = [None if a is None else ("columns" if a == "down_proj" else "rows") for a in _PROJECTIONS[layer]]
+    splits = [None if p is None else p.split for p in projections]
+    meshes = {p.mesh for p in present}
+    if splits != expected or len(meshes) != 1:
         return None, [f"{name}'s weights are DTensors sharded in a way other than tensor parallelism's "
-                      "row-split gate/up and column-split down on one mesh (or carry LoRA updates)"]
+                      "column-parallel gate/up and row-parallel down on one mesh"]
     if layer == "GatedMLPFusedGateUp":
         return None, [f"{name}: a row-split fused gate_up weight would mix gate and up rows across ranks"]
     return meshes.pop(), []
@@ -232,12 +274,10 @@ def _forward(layer: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     plan = _resolve(layer, module, x)
     if isinstance(plan, list):
         return own_forward(module, "; ".join(plan), x)
-    gate, up, down = plan.projections
+    weights = [None if p is None else p.weight for p in plan.projections]
+    updates = [() if p is None else p.updates for p in plan.projections]
 
     def run(inputs: torch.Tensor) -> torch.Tensor:
-        weights = [None if p is None else (p.weight.to_local() if plan.mesh is not None else p.weight)
-                   for p in (gate, up, down)]
-        updates = [() if p is None else p.updates for p in (gate, up, down)]
         return gated_mlp(inputs, *weights, plan.activation, updates=updates)
 
     return run(x) if plan.mesh is None else _tensor_parallel(x, plan.mesh, run)

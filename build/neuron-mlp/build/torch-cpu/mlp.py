@@ -169,9 +169,11 @@ class LowRankUpdate(NamedTuple):
 
 
 def _merge(weight: torch.Tensor, updates: Sequence[LowRankUpdate], dtype: torch.dtype) -> torch.Tensor:
+    if not updates:
+        return weight.to(dtype)
     merged = weight.float()
     for update in updates:
-        merged = merged + update.scale * (update.b.float() @ update.a.float())
+        merged = torch.addmm(merged, update.b.float(), update.a.float(), alpha=update.scale)
     return merged.to(dtype)
 
 
@@ -260,9 +262,12 @@ def _gated_mlp_with_updates(x, w_gate, w_up, w_down, activation, updates) -> tor
     check_float_tensor(_OP, "x", x)
     if x.dim() < 1 or x.numel() == 0:
         raise ValueError(f"{_OP}: x of shape {tuple(x.shape)} is empty (no tokens)")
-    # mlp_fwd validates the merged weights (shapes, limits, dtypes) when the function runs
-    out = _GatedMLPWithUpdates.apply(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down, activation, tuple(owners),
-                                     tuple(scales), *factors)
+    rows = x.reshape(-1, x.shape[-1])
+    # mlp_fwd validates the merged weights (shapes, limits, dtypes)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down, *factors))):
+        merged = _merged_weights((w_gate, w_up, w_down), owners, scales, factors, x.dtype)
+        return mlp_fwd(rows, *merged, activation, False)[0].reshape(x.shape)  # nothing kept for a backward
+    out = _GatedMLPWithUpdates.apply(rows, w_gate, w_up, w_down, activation, tuple(owners), tuple(scales), *factors)
     return out.reshape(x.shape)
 
 
