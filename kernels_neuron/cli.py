@@ -176,14 +176,14 @@ def _install(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    """The registry: each layer's repo, kernel layer, modes, what it replaces, constraints, build status."""
+    """The registry: each layer's repo, kernel layer, modes, what it replaces, what a module must be, build status."""
     from kernels_neuron import hub, registry as registry_module
     from kernels_neuron.integration import layer_limits
 
     reg = registry_module.load()
     problems = hub.stale()
     table = Table(title=f"registry.toml (Hub org {reg.org})")
-    for column in ("layer name", "repo", "kernel layer", "modes", "replaces", "constraints", "build"):
+    for column in ("layer name", "repo", "kernel layer", "modes", "replaces", "a module must be", "build"):
         table.add_column(column, overflow="fold", no_wrap=column in ("layer name", "repo", "build"))
     def status(repo: str) -> str:
         # A kernel repo's torch-cpu variant loads the simulator from nki-sim: its staleness counts too.
@@ -195,8 +195,8 @@ def _list(args: argparse.Namespace) -> int:
     for layer in reg.layers:
         replaces = ", ".join(layer.classes) if layer.classes else f"classes tagged {layer.name!r}"
         if layer.discover:
-            replaces += f"; any *{layer.discover} with this structure"
-        table.add_row(layer.name, f"{reg.repo_id(layer.repo)} v{reg.repos[layer.repo].version}", layer.layer,
+            replaces += f"; any *{layer.discover} whose forward computes the same"
+        table.add_row(layer.name, f"{reg.repo_id(layer.repo)} v{reg.repos[layer.repo].version}", layer.kernel_layer,
                       ", ".join(layer.modes), replaces, layer_limits(reg, layer), status(layer.repo))
     for attention in reg.attention:
         table.add_row(attention.name, f"{reg.repo_id(attention.repo)} v{reg.repos[attention.repo].version}",

@@ -35,14 +35,17 @@ class Repo:
 
 @dataclass(frozen=True)
 class Layer:
+    """A layer ``kernelize`` swaps in: modules whose class is in ``classes`` (or is tagged ``name`` by
+    transformers) get the forward of ``kernel_layer``, a class of ``repo``'s ``layers`` module, in ``modes``.
+    With ``discover``, also modules of other classes whose name ends with it and whose forward the
+    layer's plug-in says it ``computes``. What a module must be beyond that, the plug-in's
+    ``unsupported_reasons`` says."""
+
     name: str
     repo: str
-    layer: str
+    kernel_layer: str
     modes: tuple[str, ...]
     classes: tuple[str, ...] = ()
-    constraints: dict[str, Any] = field(default_factory=dict)
-    # Also match modules of other classes whose name ends with this suffix and whose forward
-    # has the layer's ``structure`` constraint (kernelize checks it on the source).
     discover: str | None = None
 
 
@@ -140,12 +143,13 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
     layers = []
     for i, entry in enumerate(raw.get("layers", ())):
         where = f"registry: layers[{i}] ({entry.get('name', '?')})"
-        _check_entry(where, entry, ("name", "repo", "layer", "modes"), repos)
+        _check_entry(where, entry, ("name", "repo", "kernel_layer", "modes"), repos)
         _check_modes(where, entry["modes"])
-        if "discover" in entry and "structure" not in entry.get("constraints", {}):
-            raise ValueError(f"{where}: 'discover' needs a 'structure' constraint to recognise modules by")
-        layers.append(Layer(name=entry["name"], repo=entry["repo"], layer=entry["layer"], modes=tuple(entry["modes"]),
-                            classes=tuple(entry.get("classes", ())), constraints=dict(entry.get("constraints", {})),
+        unknown = set(entry) - {"name", "repo", "kernel_layer", "modes", "classes", "discover"}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        layers.append(Layer(name=entry["name"], repo=entry["repo"], kernel_layer=entry["kernel_layer"],
+                            modes=tuple(entry["modes"]), classes=tuple(entry.get("classes", ())),
                             discover=entry.get("discover")))
     attention = []
     for i, entry in enumerate(raw.get("attention", ())):

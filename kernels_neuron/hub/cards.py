@@ -32,8 +32,8 @@ def model_card(repo: Repo, registry: Registry, variants: list[str]) -> str:
             for layer in layers:
                 replaces = ", ".join(layer.classes) if layer.classes else f"classes transformers tags `{layer.name}`"
                 if layer.discover:
-                    replaces += f", and any other `*{layer.discover}` class whose forward has the `{layer.constraints['structure']}` structure"
-                lines.append(f"| `{layer.layer}` | {replaces} | {', '.join(layer.modes)} |")
+                    replaces += f", and any other `*{layer.discover}` class whose forward computes the same"
+                lines.append(f"| `{layer.kernel_layer}` | {replaces} | {', '.join(layer.modes)} |")
             from ..integration import layer_limits
 
             lines += ["", "What a module must be to be swapped (others keep their own forward; each call checks again):", ""]

@@ -177,7 +177,7 @@ def test_model_card(repo_name):
             assert f"kernel.{export}" in card
         for layer in REGISTRY.layers:
             if layer.repo == repo_name:
-                assert f"| `{layer.layer}` |" in card and f"- `{layer.name}`:" in card
+                assert f"| `{layer.kernel_layer}` |" in card and f"- `{layer.name}`:" in card
                 for cls in layer.classes:
                     assert cls in card
         for entry in REGISTRY.attention:

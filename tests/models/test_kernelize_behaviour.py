@@ -19,7 +19,7 @@ from kernels import Mode
 import kernels_neuron
 from kernels_neuron import sim
 from tiny_models import (KERNEL_PACKAGE, assert_bf16_like_torch, assert_logits_match, assert_runs_kernel_layer,
-                         build_tiny, input_ids, logits, norm_modules)
+                         build_tiny, forward_of, input_ids, logits, norm_modules)
 
 
 def _kernelize(model, **kwargs):
@@ -286,3 +286,35 @@ def test_modules_kept_on_their_own_forward_are_warned_about_once_per_kernelize()
     with pytest.warns(UserWarning, match=r"kernelize kept 4 module\(s\) on their own forward, e.g. "
                                          r"model.layers.0.self_attn.q_norm: hidden size 32"):
         _kernelize(build_tiny("qwen3", head_dim=32))
+
+
+# --- choosing kernels by name ----------------------------------------------------------------------------------
+
+def test_only_and_exclude_choose_kernels_by_name():
+    model = kernels_neuron.kernelize(build_tiny("llama"), device="neuron", only=["neuron-rmsnorm"])
+    rows = model.kernels_neuron_report.rows
+    assert {row.layer for row in rows} == {"RMSNorm"} and len(rows) == 5
+    assert model.config._attn_implementation == "sdpa"
+    model = kernels_neuron.kernelize(build_tiny("llama"), device="neuron", exclude=["neuron-mlp"])
+    assert {row.layer for row in model.kernels_neuron_report} == {"RMSNorm", "attention"}
+    mlp = model.model.layers[0].mlp
+    assert forward_of(mlp) is type(mlp).forward
+
+
+def test_the_mlp_keyword_is_exclude_neuron_mlp_and_undoes_an_earlier_swap():
+    model = kernels_neuron.kernelize(build_tiny("llama"), device="neuron")
+    mlp = model.model.layers[0].mlp
+    assert forward_of(mlp) is not type(mlp).forward
+    kernels_neuron.kernelize(model, device="neuron", mlp=False)
+    assert forward_of(mlp) is type(mlp).forward
+    assert not any(row.layer.startswith("GatedMLP") for row in model.kernels_neuron_report)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"only": ["neuron-mlpp"]}, ValueError, r"only names unknown kernels \['neuron-mlpp'\]; the kernels are"),
+    ({"exclude": ["nki-sim"]}, ValueError, r"exclude names unknown kernels \['nki-sim'\]"),
+    ({"exclude": "neuron-mlp"}, TypeError, "exclude must be a list of kernel names"),
+])
+def test_unknown_kernel_names_are_a_clear_error(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        kernels_neuron.kernelize(build_tiny("llama"), device="neuron", **kwargs)

@@ -32,13 +32,36 @@ from torch import nn
 
 from ._backend import SUPPORTED_FLOAT_DTYPES, autocast_dtype, dtype_name, is_dtensor, own_forward
 from .mlp import MAX_INTERMEDIATE, LowRankUpdate, activation_kind, describe_activation, gated_mlp, max_hidden
+from .mlp_structure import STRUCTURES, gated_mlp_form
 
-# Each layer: its projections, in the order of gated_mlp's weights (None: the fused gate_up has no up).
+# Each layer: the structure its module's forward must have (mlp_structure), and its projections in the
+# order of gated_mlp's weights (None: the fused gate_up has no up).
+_STRUCTURE = {"GatedMLP": "gated_mlp", "GatedMLPFusedGateUp": "gated_mlp_fused"}
 _PROJECTIONS = {"GatedMLP": ("gate_proj", "up_proj", "down_proj"), "GatedMLPFusedGateUp": ("gate_up_proj", None, "down_proj")}
 _ACTIVATIONS = ("act_fn", "activation_fn")
-LIMITS = (f"projections without bias: plain nn.Linear, PEFT LoRA over one, or tensor-parallel shards; hidden size "
-          f"up to {max_hidden('bfloat16')} (bf16/fp16) or {max_hidden('float32')} (fp32) in the compute dtype; "
-          f"intermediate size up to {MAX_INTERMEDIATE}; SiLU or tanh-GELU activation")
+LIMITS = (f"a forward computing down(act(gate(x)) * up(x)) (read from its source); projections without bias: "
+          f"plain nn.Linear, PEFT LoRA over one, or tensor-parallel shards; hidden size up to {max_hidden('bfloat16')} "
+          f"(bf16/fp16) or {max_hidden('float32')} (fp32) in the compute dtype; intermediate size up to "
+          f"{MAX_INTERMEDIATE}; SiLU or tanh-GELU activation")
+
+
+def computes(layer: str, cls: type) -> bool:
+    """Whether ``cls.forward`` computes what ``layer`` computes (kernelize takes any ``*MLP`` class that
+    does, beside the classes the registry names)."""
+    form = gated_mlp_form(cls)
+    return form is not None and form[0] == _STRUCTURE[layer]
+
+
+def _structure_reasons(layer: str, module: nn.Module) -> list[str]:
+    name = type(module).__name__
+    form = gated_mlp_form(type(module))
+    if form is None or form[0] != _STRUCTURE[layer]:
+        projections = " * ".join(f"{p}(x)" for p in STRUCTURES[_STRUCTURE[layer]])
+        return [f"{name}.forward is not the gated MLP the kernel computes (down_proj(act({projections})))"]
+    present = [a for a in _ACTIVATIONS if hasattr(module, a)]
+    if present and present[0] != form[1]:
+        return [f"{name}.forward uses {form[1]} but the layer would read {present[0]}"]
+    return []
 
 
 class Projection(NamedTuple):
@@ -184,10 +207,13 @@ class _Plan(NamedTuple):
     mesh: object = None  # the tensor-parallel mesh, when the weights are TP shards
 
 
-def _resolve(layer: str, module: nn.Module, x: Optional[torch.Tensor]) -> Union[_Plan, list[str]]:
-    """How the kernel computes ``module`` (on ``x``), or why it cannot."""
+def _resolve(layer: str, module: nn.Module, x: Optional[torch.Tensor], structure: bool) -> Union[_Plan, list[str]]:
+    """How the kernel computes ``module`` (on ``x``), or why it cannot. ``structure``: also check what the
+    class's forward computes (its source: once, at kernelize time; a class does not change between calls)."""
     name = type(module).__name__
-    reasons = []
+    reasons = _structure_reasons(layer, module) if structure else []
+    if reasons:
+        return reasons
     projections = []
     for attribute in _PROJECTIONS[layer]:
         projection = None if attribute is None else _projection(module, attribute)
@@ -256,7 +282,7 @@ def _limits(name: str, named_weights: dict[str, torch.Tensor], x: Optional[torch
 
 def unsupported_reasons(layer: str, module: nn.Module, x: Optional[torch.Tensor] = None) -> list[str]:
     """Why ``module`` cannot run ``layer`` (empty when it can); with ``x``, also for that input."""
-    resolved = _resolve(layer, module, x)
+    resolved = _resolve(layer, module, x, structure=True)
     return resolved if isinstance(resolved, list) else []
 
 
@@ -271,7 +297,7 @@ def _tensor_parallel(x: torch.Tensor, mesh, run) -> torch.Tensor:
 
 
 def _forward(layer: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    plan = _resolve(layer, module, x)
+    plan = _resolve(layer, module, x, structure=False)
     if isinstance(plan, list):
         return own_forward(module, "; ".join(plan), x)
     weights = [None if p is None else p.weight for p in plan.projections]

@@ -1,0 +1,96 @@
+"""Which gated MLPs the fused kernel computes: read from a class's ``forward`` source.
+
+A gated MLP is served only when its forward computes exactly ``down(act(gate(x)) * up(x))``: many
+classes named ``*MLP`` hold gate/up/down projections but add clamps, multipliers, norms or dropout
+(FalconH1, DeepseekV4, BitNet, ...), and would silently come out wrong. ``gated_mlp_form`` parses the
+forward with ``ast`` and evaluates it symbolically; only the two forms transformers uses pass. Shipped
+in the neuron-mlp Hub repo beside the layers that ask it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from typing import Any
+
+# Structure name -> the projections whose outputs feed the activation and the product.
+STRUCTURES = {"gated_mlp": ("gate_proj", "up_proj"), "gated_mlp_fused": ("gate_up_proj",)}
+
+
+def _symbolic(node: ast.AST, env: dict) -> Any:
+    """A hashable description of what an expression of a forward computes, or None if not understood."""
+    if isinstance(node, ast.Name):
+        return env.get(node.id)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        left, right = _symbolic(node.left, env), _symbolic(node.right, env)
+        return None if left is None or right is None else ("mul", frozenset((left, right)))
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self" and len(node.args) == 1 and not node.keywords):
+        arg = _symbolic(node.args[0], env)
+        return None if arg is None else ("call", node.func.attr, arg)
+    return None
+
+
+def _chunk_halves(node: ast.AST, env: dict) -> Any:
+    """``e.chunk(2, dim=-1)`` or ``e.chunk(2, -1)``: the symbolic ``e``, else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "chunk"):
+        return None
+    try:
+        args = [ast.literal_eval(a) for a in node.args]
+        dims = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except ValueError:
+        return None
+    if args[:1] != [2] or [*args[1:], *dims.values()] != [-1] or set(dims) - {"dim"}:
+        return None
+    return _symbolic(node.func.value, env)
+
+
+@functools.lru_cache(maxsize=None)
+def gated_mlp_form(cls: type) -> tuple[str, str] | None:
+    """(structure, activation attribute) when ``cls.forward(self, x)`` returns exactly
+    ``down_proj(act(gate_proj(x)) * up_proj(x))`` ("gated_mlp") or Phi3's ``gate, up =
+    gate_up_proj(x).chunk(2, dim=-1)`` then ``down_proj(up * act(gate))`` ("gated_mlp_fused"),
+    with ``act`` the module's ``act_fn`` or ``activation_fn``; None otherwise."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, ast.FunctionDef):
+        return None
+    args = function.args
+    if ([a.arg for a in args.args][:1] != ["self"] or len(args.args) != 2 or args.vararg or args.kwarg
+            or args.kwonlyargs or args.posonlyargs or args.defaults):
+        return None
+    env: dict = {args.args[1].arg: ("x",)}
+    result = None
+    for statement in function.body:
+        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+            continue  # docstring
+        if isinstance(statement, ast.Return) and statement.value is not None and result is None:
+            result = _symbolic(statement.value, env)
+            continue
+        if not isinstance(statement, ast.Assign) or len(statement.targets) != 1 or result is not None:
+            return None
+        target = statement.targets[0]
+        if isinstance(target, ast.Name):
+            env[target.id] = _symbolic(statement.value, env)
+        elif (isinstance(target, ast.Tuple) and len(target.elts) == 2
+              and all(isinstance(e, ast.Name) for e in target.elts)):
+            whole = _chunk_halves(statement.value, env)
+            env[target.elts[0].id] = None if whole is None else ("half", 0, whole)
+            env[target.elts[1].id] = None if whole is None else ("half", 1, whole)
+        else:
+            return None
+    x = ("x",)
+    for act in ("act_fn", "activation_fn"):
+        separate = ("mul", frozenset((("call", act, ("call", "gate_proj", x)), ("call", "up_proj", x))))
+        gate_up = ("call", "gate_up_proj", x)
+        fused = ("mul", frozenset((("call", act, ("half", 0, gate_up)), ("half", 1, gate_up))))
+        if result == ("call", "down_proj", separate):
+            return "gated_mlp", act
+        if result == ("call", "down_proj", fused):
+            return "gated_mlp_fused", act
+    return None
