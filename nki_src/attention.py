@@ -33,7 +33,8 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-P = 128
+from ._common import MASKED_LOGIT_FLOOR, P, itemsize, tiles
+
 KEY_TILE = 512  # backward key tile: one fp32 PSUM bank of scores per query tile
 FWD_KEY_TILE = 1024  # forward key step: two PSUM banks of scores, one running-max update per step
 MATMUL_COLUMNS = 512  # moving columns per matmul: one fp32 PSUM bank
@@ -51,27 +52,19 @@ DMA_TRANSPOSE_SHARE = (3, 8)
 VECTOR_EVICTION_PERIOD = 4
 BWD_INTERLEAVE = 2  # the backward holds S and dP per query tile, plus dK/dV for the key tile, in PSUM
 FP32_MIN = -3.4028234663852886e38
-# The running max never drops below this, so a row that has seen only masked keys keeps
-# exp(masked - max) = 0 instead of exp(0) = 1 (masked scores are filled with FP32_MIN).
-MAX_FLOOR = -1.0e30
 
 
-def _tiles(total, size):
-    for start in range(0, total, size):
-        yield start, min(size, total - start)
-
-
-def resident_kv_bytes(keys, head_dim, itemsize):
+def resident_kv_bytes(keys, head_dim, element_bytes):
     """SBUF bytes per partition the forward holds for one KV head: K^T per 128 of D, V + ones column."""
-    return ((head_dim + P - 1) // P) * keys * itemsize + ((keys + P - 1) // P) * (head_dim + 1) * itemsize
+    return ((head_dim + P - 1) // P) * keys * element_bytes + ((keys + P - 1) // P) * (head_dim + 1) * element_bytes
 
 
-def resident_bwd_bytes(queries, keys, head_dim, itemsize):
+def resident_bwd_bytes(queries, keys, head_dim, element_bytes):
     """SBUF bytes per partition the backward holds: per 128 keys fp32 dK and dV; per 128 queries
     Q and dO both ways round, the fp32 dQ accumulator, lse and delta."""
     d_blocks = (head_dim + P - 1) // P
     per_key_block = 2 * head_dim * 4
-    per_query_block = 2 * (d_blocks * P + head_dim) * itemsize + head_dim * 4 + 8
+    per_query_block = 2 * (d_blocks * P + head_dim) * element_bytes + head_dim * 4 + 8
     return ((keys + P - 1) // P) * per_key_block + ((queries + P - 1) // P) * per_query_block
 
 
@@ -80,11 +73,11 @@ def _check_residency(what, needed, limit):
         raise ValueError(f"flash_attn: {what} need {needed:,} bytes of SBUF per partition, above the limit of {limit:,}")
 
 
-def check_forward_residency(keys, head_dim, itemsize):
+def check_forward_residency(keys, head_dim, element_bytes):
     """One launch holds a KV head's keys in SBUF: raise ValueError naming the bytes and the limit
     beyond that (the torch op splits longer attention into several launches)."""
-    _check_residency(f"{keys} keys of head_dim {head_dim} ({itemsize}-byte K and V)",
-                     resident_kv_bytes(keys, head_dim, itemsize), MAX_RESIDENT_KV_BYTES)
+    _check_residency(f"{keys} keys of head_dim {head_dim} ({element_bytes}-byte K and V)",
+                     resident_kv_bytes(keys, head_dim, element_bytes), MAX_RESIDENT_KV_BYTES)
 
 
 def check_shapes(q_shape, k_shape, v_shape, bias_shape=None):
@@ -115,12 +108,12 @@ def _transposed_blocks(src, rows, cols, dtype, keep_rows=False):
     """src[rows, cols] (HBM) -> SBUF tiles [<=128 cols, rows], one per 128-column block, via TensorE.
 
     With ``keep_rows`` it also returns the row-major 128-row tiles it loaded on the way."""
-    blocks = [nl.ndarray((c, rows), dtype, buffer=nl.sbuf) for _, c in _tiles(cols, P)]
+    blocks = [nl.ndarray((c, rows), dtype, buffer=nl.sbuf) for _, c in tiles(cols, P)]
     row_tiles = []
-    for r0, r in _tiles(rows, P):
+    for r0, r in tiles(rows, P):
         tile = nl.ndarray((r, cols), dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=src[r0:r0 + r, :])
-        for block, (c0, c) in zip(blocks, _tiles(cols, P)):
+        for block, (c0, c) in zip(blocks, tiles(cols, P)):
             flipped = nl.ndarray((c, r), dtype, buffer=nl.psum)
             nisa.nc_transpose(dst=flipped, data=tile[:, c0:c0 + c])
             nisa.tensor_copy(dst=block[:, r0:r0 + r], src=flipped)
@@ -192,7 +185,7 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
         logits; a row that sees no key gets a zero output and an lse near -1e30).
     """
     check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape)
-    check_forward_residency(k.shape[2], k.shape[3], _itemsize(k.dtype))
+    check_forward_residency(k.shape[2], k.shape[3], itemsize(k.dtype))
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -203,15 +196,15 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
     for b in range(batch):
         for g in range(kv_heads):
             keys = _KeysAndValues(k, v, b, g, bias)
-            tiles = [_QueryTile(q, b, h, _Visibility(lo + q0, rows, causal, window, offset, lo,
-                                                     hi if segments else sk), scale, softcap, keys)
-                     for h in range(g * group, (g + 1) * group) for lo, hi in spans
-                     for q0, rows in _tiles(hi - lo, P)]
-            for tile in tiles:
+            query_tiles = [_QueryTile(q, b, h, _Visibility(lo + q0, rows, causal, window, offset, lo,
+                                                           hi if segments else sk), scale, softcap, keys)
+                           for h in range(g * group, (g + 1) * group) for lo, hi in spans
+                           for q0, rows in tiles(hi - lo, P)]
+            for tile in query_tiles:
                 if not tile.steps:  # sees no key at all (queries before the first key): zeros
                     tile.start()
                     tile.finish(out, lse_out)
-            items = _pipeline_order(tiles)
+            items = _pipeline_order(query_tiles)
             # A software pipeline over (query tile, key step) items: at each tick every stage
             # works on a different item, LEAD items apart, so each engine's queue always holds
             # work whose inputs another engine finished a tick earlier (DMA transposes get more).
@@ -222,7 +215,7 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
                         getattr(tile, stage)(step)
                 if n >= 0 and items[n][1] == items[n][0].steps - 1:
                     items[n][0].finish(out, lse_out)
-            del keys, tiles, items
+            del keys, query_tiles, items
     return out, lse_out
 
 
@@ -231,13 +224,13 @@ _FWD_STAGES = (("load_inputs", 11), ("scores", 8), ("row_max", 7), ("exponentiat
                ("transpose_probs", 4), ("evict_probs", 3), ("multiply_values", 1), ("rescale", 0))
 
 
-def _pipeline_order(tiles):
+def _pipeline_order(query_tiles):
     """(tile, step) items: tiles dealt longest first to the least-loaded of LANES lanes (which
     balances the lanes), each lane running its tiles shortest first (so keys are first needed,
     and loaded, gradually), and the lanes' items interleaved, so that consecutive items belong to
     different tiles."""
-    dealt = [[] for _ in range(min(LANES, len(tiles)))]
-    for tile in sorted(tiles, key=lambda t: -t.steps):
+    dealt = [[] for _ in range(min(LANES, len(query_tiles)))]
+    for tile in sorted(query_tiles, key=lambda t: -t.steps):
         min(dealt, key=lambda lane: sum(t.steps for t in lane)).append(tile)
     lanes = [[(tile, step) for tile in reversed(lane) for step in range(tile.steps)] for lane in dealt]
     items = []
@@ -247,11 +240,7 @@ def _pipeline_order(tiles):
 
 
 def _two_byte(dtype):
-    return dtype in (nl.bfloat16, nl.float16)
-
-
-def _itemsize(dtype):
-    return 2 if _two_byte(dtype) else 4
+    return itemsize(dtype) == 2
 
 
 class _KeysAndValues(nl.NKIObject):
@@ -263,7 +252,7 @@ class _KeysAndValues(nl.NKIObject):
     def __init__(self, k, v, b, g, bias):
         sk, d = k.shape[2], k.shape[3]
         self.k, self.v, self.b, self.g, self.bias, self.d = k, v, b, g, bias, d
-        self.k_t = [nl.ndarray((dc, sk), k.dtype, buffer=nl.sbuf) for _, dc in _tiles(d, P)]
+        self.k_t = [nl.ndarray((dc, sk), k.dtype, buffer=nl.sbuf) for _, dc in tiles(d, P)]
         self.v_tiles = [None] * ((sk + P - 1) // P)
 
     def load(self, k0, kc):
@@ -274,7 +263,7 @@ class _KeysAndValues(nl.NKIObject):
             if self.v_tiles[index] is not None:
                 continue
             c0, cc = index * P, min(P, sk - index * P)
-            for block, (d0, dc) in zip(self.k_t, _tiles(d, P)):
+            for block, (d0, dc) in zip(self.k_t, tiles(d, P)):
                 if _two_byte(k.dtype):
                     nisa.dma_transpose(dst=block[:, c0:c0 + cc], src=k[b, g, c0:c0 + cc, d0:d0 + dc])
                 else:
@@ -307,7 +296,7 @@ class _QueryTile(nl.NKIObject):
 
     def start(self):
         """The running state: max (negated) at its floor, and [sum_k P V | sum_k P] = 0."""
-        self.neg_running_max = _column(-MAX_FLOOR, self.rows, nisa.engine.gpsimd)
+        self.neg_running_max = _column(-MASKED_LOGIT_FLOOR, self.rows, nisa.engine.gpsimd)
         self.acc = nl.ndarray((self.rows, self.d + 1), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=self.acc, value=0.0, engine=nisa.engine.gpsimd)
 
@@ -320,7 +309,7 @@ class _QueryTile(nl.NKIObject):
         src = self.q[self.b, self.h, q0:q0 + rows, :]
         if _two_byte(self.dtype):
             self.q_t = []
-            for c0, dc in _tiles(d, P):
+            for c0, dc in tiles(d, P):
                 block = nl.ndarray((dc, rows), self.dtype, buffer=nl.sbuf)
                 nisa.dma_transpose(dst=block, src=src[:, c0:c0 + dc])
                 self.q_t.append(block)
@@ -335,7 +324,7 @@ class _QueryTile(nl.NKIObject):
         seen, rows = self.seen, self.rows
         k0, kc = self._keys(step)
         scores = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
-        for c0, cw in _tiles(kc, MATMUL_COLUMNS):
+        for c0, cw in tiles(kc, MATMUL_COLUMNS):
             for q_block, k_block in zip(self.q_t, self.keys.k_t):
                 nisa.nc_matmul(dst=scores[:, c0:c0 + cw], stationary=q_block, moving=k_block[:, k0 + c0:k0 + c0 + cw])
         t = scores
@@ -368,7 +357,7 @@ class _QueryTile(nl.NKIObject):
             lower, upper = self.seen.bounds() if masked else (None, None)
             logits = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
             # One PSUM bank per instruction; the max accumulates across them in VectorE's register.
-            for c0, cw in _tiles(kc, MATMUL_COLUMNS):
+            for c0, cw in tiles(kc, MATMUL_COLUMNS):
                 command = nisa.reduce_cmd.reset_reduce if c0 == 0 else nisa.reduce_cmd.reduce
                 if masked:
                     nisa.range_select(dst=logits[:, c0:c0 + cw], on_true_tile=t[:, c0:c0 + cw],
@@ -400,7 +389,7 @@ class _QueryTile(nl.NKIObject):
         DMA engines straight into SBUF, the rest on TensorE into PSUM."""
         k0, kc, probs, correction = self.pending[step]
         blocks = []
-        for c0, cc in _tiles(kc, P):
+        for c0, cc in tiles(kc, P):
             index = (k0 + c0) // P
             share, period = DMA_TRANSPOSE_SHARE
             by_dma = _two_byte(self.dtype) and index * share // period != (index + 1) * share // period
@@ -484,13 +473,13 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
         instruction; dV += P^T dO and dK += dS^T Q straight from the query-major P and dS; dS^T
         on TensorE for dQ += dS K.
     """
-    itemsize = _itemsize(k.dtype)
+    element_bytes = itemsize(k.dtype)
     check_shapes(q.shape, k.shape, v.shape, None if bias is None else bias.shape)
-    check_forward_residency(k.shape[2], k.shape[3], itemsize)
+    check_forward_residency(k.shape[2], k.shape[3], element_bytes)
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
     _check_residency(f"the backward of {sq} queries and {sk} keys of head_dim {d}",
-                     resident_bwd_bytes(sq, sk, d, itemsize), MAX_RESIDENT_BWD_BYTES)
+                     resident_bwd_bytes(sq, sk, d, element_bytes), MAX_RESIDENT_BWD_BYTES)
     group = heads // kv_heads
     dq = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray((batch, kv_heads, sk, d), k.dtype, buffer=nl.shared_hbm)
@@ -498,7 +487,7 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
     spans = list(segments) if segments else [(0, sq)]
     offset = 0 if segments else sk - sq
     exp_scale = softcap if softcap else scale
-    key_blocks = list(_tiles(sk, P))
+    key_blocks = list(tiles(sk, P))
     for b in range(batch):
         for g in range(kv_heads):
             dk_acc = [_zeros((kr, d)) for _, kr in key_blocks]
@@ -506,11 +495,11 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
             for h in range(g * group, (g + 1) * group):
                 rows_of = [_QuerySide(q, out, dout, lse, b, h, _Visibility(lo + q0, rows, causal, window, offset, lo,
                                                                             hi if segments else sk))
-                           for lo, hi in spans for q0, rows in _tiles(hi - lo, P)]
-                for k0, kc in _tiles(sk, KEY_TILE):
+                           for lo, hi in spans for q0, rows in tiles(hi - lo, P)]
+                for k0, kc in tiles(sk, KEY_TILE):
                     keys = _KeySide(k, v, b, g, k0, kc)
-                    dk_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in _tiles(kc, P)]
-                    dv_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in _tiles(kc, P)]
+                    dk_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in tiles(kc, P)]
+                    dv_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in tiles(kc, P)]
                     active = [side for side in rows_of if side.seen.sees(k0, kc)]
                     for i in range(0, len(active), BWD_INTERLEAVE):
                         group_sides = active[i:i + BWD_INTERLEAVE]
@@ -521,7 +510,7 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
                                       lambda t: t.add_query_gradient()):
                             for side in group_sides:
                                 phase(side)
-                    for j, (c0, kr) in enumerate(_tiles(kc, P)):
+                    for j, (c0, kr) in enumerate(tiles(kc, P)):
                         block = (k0 + c0) // P
                         if any(side.seen.sees(k0, kc) for side in rows_of):
                             nisa.tensor_tensor(dst=dk_acc[block], data1=dk_acc[block], data2=dk_psum[j], op=nl.add)
@@ -640,7 +629,7 @@ class _QuerySide(nl.NKIObject):
         """dV += P^T dO and dK += dS^T Q (P and dS are query-major already); dS^T for dQ."""
         kc = self.probs.shape[1]
         self.ds_t_psum = []
-        for j, (c0, cr) in enumerate(_tiles(kc, P)):
+        for j, (c0, cr) in enumerate(tiles(kc, P)):
             nisa.nc_matmul(dst=dv_psum[j], stationary=self.probs[:, c0:c0 + cr], moving=self.do_rows)
             nisa.nc_matmul(dst=dk_psum[j], stationary=self.dscores[:, c0:c0 + cr], moving=self.q_rows)
             flipped = nl.ndarray((cr, self.rows), self.dscores.dtype, buffer=nl.psum)

@@ -29,17 +29,13 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-P = 128
+from ._common import P, itemsize, tiles
+
 FREE_CHUNK = 2048
 SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and constants
 MIN_HIDDEN = 64
 MAX_HIDDEN = 16384
 CONVENTIONS = ("llama", "gemma", "fp32_multiply")
-
-
-def _chunks(total, size):
-    for start in range(0, total, size):
-        yield start, min(size, total - start)
 
 
 def check_shapes(x_shape, weight_shape, convention):
@@ -78,7 +74,7 @@ def _row_rstd(tile, rows, hidden, eps_column):
     """rstd = rsqrt(mean(x^2) + eps) per row, squaring chunk by chunk into ScalarE's registers."""
     mean_square = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
     scale = 1.0 / (hidden ** 0.5)  # square(x * scale) sums to mean(x^2)
-    chunks = list(_chunks(hidden, FREE_CHUNK))
+    chunks = list(tiles(hidden, FREE_CHUNK))
     for i, (c0, c) in enumerate(chunks):
         squares = nl.ndarray((rows, c), nl.bfloat16, buffer=nl.sbuf)  # discarded; only the sum is kept
         nisa.activation(dst=squares, op=nl.square, data=tile[:, c0:c0 + c], scale=scale, reduce_op=nl.add,
@@ -111,11 +107,11 @@ def rmsnorm_fwd(x, weight, eps, convention, out_dtype):
     rstd_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
     w = _broadcast_weight(weight, hidden, weight.dtype if llama else nl.float32, convention == "gemma")
     eps_column = _constant_column(eps)
-    for r0, rows in _chunks(rows_total, P):
+    for r0, rows in tiles(rows_total, P):
         tile = nl.ndarray((rows, hidden), x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=x[r0:r0 + rows, :])
         rstd = _row_rstd(tile, rows, hidden, eps_column)
-        for c0, c in _chunks(hidden, FREE_CHUNK):
+        for c0, c in tiles(hidden, FREE_CHUNK):
             result = nl.ndarray((rows, c), out_dtype, buffer=nl.sbuf)
             if llama:
                 normed = nl.ndarray((rows, c), x.dtype, buffer=nl.sbuf)  # rounded to x's dtype, as Llama does
@@ -170,10 +166,10 @@ def rmsnorm_bwd(dy, x, weight, rstd, convention):
     dx = nl.ndarray((rows_total, hidden), x.dtype, buffer=nl.shared_hbm)
     dweight = nl.ndarray((hidden,), nl.float32, buffer=nl.shared_hbm)
     w = _broadcast_weight(weight, hidden, nl.float32, convention == "gemma")
-    blocks = list(_chunks(hidden, P))
+    blocks = list(tiles(hidden, P))
     dweight_t = nl.ndarray((P, len(blocks)), nl.float32, buffer=nl.psum)
-    chunks = list(_chunks(hidden, _backward_chunk(hidden, _itemsize(x.dtype), _itemsize(dy.dtype))))
-    for r0, rows in _chunks(rows_total, P):
+    chunks = list(tiles(hidden, _backward_chunk(hidden, itemsize(x.dtype), itemsize(dy.dtype))))
+    for r0, rows in tiles(rows_total, P):
         x_tile = nl.ndarray((rows, hidden), x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=x_tile, src=x[r0:r0 + rows, :])
         dy_tile = nl.ndarray((rows, hidden), dy.dtype, buffer=nl.sbuf)
@@ -212,7 +208,3 @@ def rmsnorm_bwd(dy, x, weight, rstd, convention):
     for b, (b0, width) in enumerate(blocks):
         nisa.dma_copy(dst=dweight[b0:b0 + width].reshape((width, 1)), src=evicted[:width, b:b + 1])
     return dx, dweight
-
-
-def _itemsize(dtype):
-    return 4 if str(dtype) in ("float32", "int32", "uint32") else 2

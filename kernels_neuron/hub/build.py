@@ -95,6 +95,7 @@ def _kernel_package(repo: Repo) -> dict[str, bytes]:
     if repo.layers:
         files["layers.py"] = _text(OPS_DIR / f"{repo.layers}.py")
     files["nki_src/__init__.py"] = b'"""NKI kernel sources, as in the kernels-neuron nki_src/ folder."""\n'
+    files["nki_src/_common.py"] = _text(NKI_DIR / "_common.py")  # what every kernel shares
     for kernel in repo.nki:
         files[f"nki_src/{kernel}.py"] = _text(NKI_DIR / f"{kernel}.py")
     return files

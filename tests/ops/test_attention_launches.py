@@ -52,7 +52,8 @@ def _coverage(plan, sq, sk, offset):
 def _smaller_limits(keys):
     """The kernel module's residency rules with limits that hold ``keys`` keys of head_dim 64 in
     bf16 per forward launch (and 256 queries beside them in the backward)."""
-    return SimpleNamespace(resident_kv_bytes=KERNELS.resident_kv_bytes, resident_bwd_bytes=KERNELS.resident_bwd_bytes,
+    return SimpleNamespace(P=KERNELS.P, resident_kv_bytes=KERNELS.resident_kv_bytes,
+                           resident_bwd_bytes=KERNELS.resident_bwd_bytes,
                            MAX_RESIDENT_KV_BYTES=KERNELS.resident_kv_bytes(keys, 64, 2),
                            MAX_RESIDENT_BWD_BYTES=KERNELS.resident_bwd_bytes(256, keys, 64, 2))
 

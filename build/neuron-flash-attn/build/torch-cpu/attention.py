@@ -32,7 +32,7 @@ from ._backend import autocast_dtype, check_float_tensor, define_op, nki_source,
 
 _kernels = nki_source(__package__, "attention")
 MAX_HEAD_DIM = _kernels.MAX_HEAD_DIM
-MASKED_LOGIT = -1.0e30  # the kernel's floor for the running max: rows below it have seen no key
+MASKED_LOGIT = _kernels.MASKED_LOGIT_FLOOR  # rows whose logits all lie at or below it have seen no key
 _NS = op_namespace(__name__)
 
 

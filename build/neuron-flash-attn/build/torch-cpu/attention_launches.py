@@ -34,8 +34,6 @@ import torch
 
 from ._backend import run_kernel
 
-P = 128  # the kernel's query tile and key block
-
 # Queries per block in the forward: the top block of a query block also holds that block's
 # causally cut keys, so a forward block of up to half the launch's key capacity leaves the other
 # half for keys every query sees.
@@ -58,15 +56,12 @@ class Launch:
     bias_window: int = 0
 
 
-def _blocks(total: int, size: int) -> int:
-    return (total + size - 1) // size
-
-
 class Capacity:
     """What one launch of the kernel holds, from its residency limits."""
 
     def __init__(self, kernels: Any, head_dim: int, itemsize: int) -> None:
         self.kernels, self.head_dim, self.itemsize = kernels, head_dim, itemsize
+        self.block = kernels.P  # the kernel's query tile and key block
 
     def forward_fits(self, keys: int) -> bool:
         return self.kernels.resident_kv_bytes(keys, self.head_dim, self.itemsize) <= self.kernels.MAX_RESIDENT_KV_BYTES
@@ -80,18 +75,19 @@ class Capacity:
 
     def block_sizes(self, backward: bool) -> tuple[int, int]:
         """(queries per block, keys per launch), both whole 128-blocks, keys >= queries."""
-        keys = P
-        while self.forward_fits(keys + P):
-            keys += P
+        block = self.block
+        keys = block
+        while self.forward_fits(keys + block):
+            keys += block
         if not backward:
-            return max(P, (keys // _FORWARD_QUERY_SHARE) // P * P), keys
+            return max(block, (keys // _FORWARD_QUERY_SHARE) // block * block), keys
         # The backward holds both sides: the largest equal split, then the keys take what is left.
-        queries = P
-        while self.backward_fits(queries + P, queries + P):
-            queries += P
+        queries = block
+        while self.backward_fits(queries + block, queries + block):
+            queries += block
         keys = queries
-        while self.backward_fits(queries, keys + P):
-            keys += P
+        while self.backward_fits(queries, keys + block):
+            keys += block
         return queries, keys
 
 

@@ -47,7 +47,8 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-P = 128
+from ._common import P, ceil_div, dtype_name, itemsize, tiles
+
 TOKEN_TILE = 512  # tokens per matmul: the moving free size that fills one fp32 PSUM bank
 SAVED_TOKEN_TILE = 256  # tokens per tile in the saved gate/up and the backward's token-tiled buffers
 MAX_TOKEN_BLOCK = 1024  # tokens whose x^T stays in SBUF while every weight tile streams past once
@@ -65,27 +66,9 @@ GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi)
 GELU_TANH_CUBIC = 0.044715
 
 
-def _tiles(total, size):
-    """(start, size) of consecutive tiles; the last may be partial."""
-    for start in range(0, total, size):
-        yield start, min(size, total - start)
-
-
-def _ceil_div(a, b):
-    return (a + b - 1) // b
-
-
-def _itemsize(dtype):
-    return 4 if str(dtype) in ("float32", "int32", "uint32") else 2
-
-
-def _dtype_name(dtype):
-    return str(dtype).removeprefix("torch.").removeprefix("numpy.")
-
-
 def max_hidden(dtype):
     """The largest hidden size the kernels take for ``dtype`` (their SBUF plans fit Trn1 and up)."""
-    return MAX_HIDDEN_FP32 if _itemsize(dtype) == 4 else MAX_HIDDEN
+    return MAX_HIDDEN_FP32 if itemsize(dtype) == 4 else MAX_HIDDEN
 
 
 def _act_op(activation):
@@ -122,7 +105,7 @@ def check_shapes(x_shape, gate_shape, up_shape, down_shape, activation, dtypes=N
         raise ValueError(f"mlp: intermediate size {inter} is outside the supported range 1..{MAX_INTERMEDIATE}")
     name = None
     if dtypes is not None:
-        names = {_dtype_name(d) for d in dtypes}
+        names = {dtype_name(d) for d in dtypes}
         if len(names) != 1:
             raise ValueError(f"mlp: x and the weights must share one dtype, got {sorted(names)}")
         (name,) = names
@@ -158,7 +141,7 @@ class _Alternator:
 
 def _group_size(dtype):
     """How many 128-wide transposed tiles of ``dtype`` share one PSUM bank."""
-    return PSUM_BANK_BYTES // (P * _itemsize(dtype))
+    return PSUM_BANK_BYTES // (P * itemsize(dtype))
 
 
 def _transpose_rows_into(dst, src_rows, rows, cols, dtype, engines):
@@ -168,7 +151,7 @@ def _transpose_rows_into(dst, src_rows, rows, cols, dtype, engines):
     Blocks are transposed on TensorE into a PSUM bank, a bank's worth at a time, and evicted with
     one instruction per bank.
     """
-    blocks = list(_tiles(cols, P))
+    blocks = list(tiles(cols, P))
     group = _group_size(dtype)
     for g0 in range(0, len(blocks), group):
         members = blocks[g0:g0 + group]
@@ -186,7 +169,7 @@ def _transpose_rows_into(dst, src_rows, rows, cols, dtype, engines):
 
 def _load_transposed_tokens(out, src, t0, tokens, width, dtype, engines):
     """out[:, :, :tokens] = src[t0 : t0 + tokens, :width]^T, feature-major: out is [P, ceil(width/128), >= tokens]."""
-    for r0, rows in _tiles(tokens, P):
+    for r0, rows in tiles(tokens, P):
         tile = nl.ndarray((rows, width), dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=src[t0 + r0:t0 + r0 + rows, :])
         _transpose_rows_into(out[:, :, r0:r0 + rows], tile, rows, width, dtype, engines)
@@ -194,8 +177,8 @@ def _load_transposed_tokens(out, src, t0, tokens, width, dtype, engines):
 
 def _load_weight_transposed(weight, r0, rows, cols, dtype, engines):
     """weight[r0 : r0 + rows, :cols]^T as an SBUF tile [P, ceil(cols/128), rows], read in wide rows."""
-    out = nl.ndarray((P, _ceil_div(cols, P), rows), dtype, buffer=nl.sbuf)
-    for c0, c in _tiles(cols, WEIGHT_ROW_CHUNK):
+    out = nl.ndarray((P, ceil_div(cols, P), rows), dtype, buffer=nl.sbuf)
+    for c0, c in tiles(cols, WEIGHT_ROW_CHUNK):
         raw = nl.ndarray((rows, c), dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=raw, src=weight[r0:r0 + rows, c0:c0 + c])
         _transpose_rows_into(out[:, c0 // P:, :], raw, rows, c, dtype, engines)
@@ -211,7 +194,7 @@ def saved_shape(tokens, inter):
     ``saved[b, p, k, it, t] = (gate, up)[k][token b*TT + t, intermediate it*128 + p]`` with
     TT = min(SAVED_TOKEN_TILE, tokens). Partition-major, so the backward reads long contiguous runs."""
     tt = min(SAVED_TOKEN_TILE, tokens)
-    return (_ceil_div(tokens, tt), P, 2, _ceil_div(inter, P), tt)
+    return (ceil_div(tokens, tt), P, 2, ceil_div(inter, P), tt)
 
 
 def forward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
@@ -222,30 +205,30 @@ def forward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
     the intermediate never leaves the chip. More than one part means the down projection's
     partial sums over the parts are kept in fp32 in a kernel-private HBM buffer.
     """
-    size = _itemsize(dtype)
-    h_tiles, i_tiles = _ceil_div(hidden, P), _ceil_div(inter, P)
+    size = itemsize(dtype)
+    h_tiles, i_tiles = ceil_div(hidden, P), ceil_div(inter, P)
     chunk = min(hidden, WEIGHT_ROW_CHUNK)
     stage_gate_up = 2 * 2 * (chunk + h_tiles * P) * size  # gate and up, raw and transposed, double-buffered
     first = min(MAX_TOKEN_BLOCK, tokens)
     # Smaller blocks are powers of two times 128, so token tiles stay aligned to TOKEN_TILE.
     for block in [first] + [b for b in (512, 256, MIN_TOKEN_BLOCK) if b < first]:
         fixed = SBUF_RESERVE + stage_gate_up + h_tiles * block * size  # staging + x^T
-        fixed += 2 * block * 4 + _ceil_div(block, P) * P * size  # y^T partial (fp32) and the y rows
+        fixed += 2 * block * 4 + ceil_div(block, P) * P * size  # y^T partial (fp32) and the y rows
         per_tile = block * size + 2 * 2 * P * size  # a^T, and the down weight raw + transposed, double
         fit = (sbuf_bytes - fixed) // per_tile
         if fit >= 1:
             return block, min(i_tiles, fit)
-    raise ValueError(f"mlp: hidden size {hidden} with intermediate size {inter} ({_dtype_name(dtype)}) does not "
+    raise ValueError(f"mlp: hidden size {hidden} with intermediate size {inter} ({dtype_name(dtype)}) does not "
                      f"fit the {sbuf_bytes // 1024} KiB of SBUF per partition")
 
 
 def _gate_up_part(x_t, w_gate, w_up, part, t_block, hidden, activation, act_t, saved, t0, dtype, engines):
     """a^T = act(x Wg^T)^T * (x Wu^T)^T for the part's intermediate tiles, into ``act_t``."""
-    h_tiles = list(_tiles(hidden, P))
+    h_tiles = list(tiles(hidden, P))
     for j, (i0, isz) in enumerate(part):
         wg_t = _load_weight_transposed(w_gate, i0, isz, hidden, dtype, engines)
         wu_t = _load_weight_transposed(w_up, i0, isz, hidden, dtype, engines)
-        for tt0, tt in _tiles(t_block, TOKEN_TILE):
+        for tt0, tt in tiles(t_block, TOKEN_TILE):
             gate = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
             up = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
             for k, (h0, hsz) in enumerate(h_tiles):
@@ -265,7 +248,7 @@ def _save_gate_up(saved, gate, up, t_start, tt, i_tile, isz, dtype, engines):
     for k, src in enumerate((gate, up)):
         rounded = nl.ndarray((isz, tt), dtype, buffer=nl.sbuf)
         _evict(rounded, src, engines.next())
-        for c0, c in _tiles(tt, width):
+        for c0, c in tiles(tt, width):
             block, col = (t_start + c0) // width, (t_start + c0) % width
             nisa.dma_copy(dst=saved[block, :isz, k, i_tile, col:col + c], src=rounded[:, c0:c0 + c])
 
@@ -274,10 +257,10 @@ def _down_part(act_t, w_down, part, t_block, hidden, dtype, out, t0, partial, fi
     """y^T (+)= Wd[:, part] a^T[part] for every hidden tile; the last part writes y."""
     p0 = part[0][0]
     p_cols = part[-1][0] + part[-1][1] - p0
-    for h0, hsz in _tiles(hidden, P):
+    for h0, hsz in tiles(hidden, P):
         wd_t = _load_weight_transposed(w_down[:, p0:p0 + p_cols], h0, hsz, p_cols, dtype, engines)
         y_t = nl.ndarray((hsz, t_block), dtype if last else nl.float32, buffer=nl.sbuf)
-        for tt0, tt in _tiles(t_block, TOKEN_TILE):
+        for tt0, tt in tiles(t_block, TOKEN_TILE):
             acc = nl.ndarray((hsz, tt), nl.float32, buffer=nl.psum)
             for j, (i0, isz) in enumerate(part):
                 nisa.nc_matmul(dst=acc, stationary=wd_t[:isz, j, :hsz], moving=act_t[:isz, j, tt0:tt0 + tt])
@@ -295,7 +278,7 @@ def _down_part(act_t, w_down, part, t_block, hidden, dtype, out, t0, partial, fi
 
 def _store_rows(out, y_t, t0, t_block, h0, hsz, dtype, engines):
     """out[t0 : t0 + t_block, h0 : h0 + hsz] = y_t^T, transposed back on TensorE."""
-    rows = nl.ndarray((P, _ceil_div(t_block, P), hsz), dtype, buffer=nl.sbuf)
+    rows = nl.ndarray((P, ceil_div(t_block, P), hsz), dtype, buffer=nl.sbuf)
     _transpose_rows_into(rows, y_t, hsz, t_block, dtype, engines)
     full = t_block // P
     if full:
@@ -349,15 +332,15 @@ def mlp_fwd(x, w_gate, w_up, w_down, activation, save_gate_up):
     out = nl.ndarray((tokens, hidden), dtype, buffer=nl.shared_hbm)
     saved = nl.ndarray(saved_shape(tokens, inter), dtype, buffer=nl.shared_hbm) if save_gate_up else None
     block, part_tiles = forward_plan(tokens, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
-    i_tiles = list(_tiles(inter, P))
+    i_tiles = list(tiles(inter, P))
     parts = [i_tiles[k:k + part_tiles] for k in range(0, len(i_tiles), part_tiles)]
     partial = nl.ndarray((hidden, block), nl.float32, buffer=nl.hbm) if len(parts) > 1 else None
     engines = _Alternator()
     # One x^T and one a^T buffer, reused by every token block and part: their reuse orders the
     # next block's writes after this block's last reads, as the hardware would need.
-    x_t = nl.ndarray((P, _ceil_div(hidden, P), block), dtype, buffer=nl.sbuf)
+    x_t = nl.ndarray((P, ceil_div(hidden, P), block), dtype, buffer=nl.sbuf)
     act_t = nl.ndarray((P, part_tiles, block), dtype, buffer=nl.sbuf)
-    for t0, t_block in _tiles(tokens, block):
+    for t0, t_block in tiles(tokens, block):
         _load_transposed_tokens(x_t[:, :, :t_block], x, t0, t_block, hidden, dtype, engines)
         for n, part in enumerate(parts):
             _gate_up_part(x_t, w_gate, w_up, part, t_block, hidden, activation, act_t, saved, t0, dtype, engines)
@@ -386,7 +369,7 @@ def _zero_saved_padding(saved, tokens, inter, dtype):
         step = max(1, 4096 // (2 * (width - used)))  # intermediate tiles per zero-fill DMA
         zeros = nl.ndarray((P, 2, step, width - used), dtype, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
-        for it0, n in _tiles(i_tiles, step):
+        for it0, n in tiles(i_tiles, step):
             nisa.dma_copy(dst=saved[n_blocks - 1, :, :, it0:it0 + n, used:], src=zeros[:, :, :n, :])
 
 
@@ -407,8 +390,8 @@ def _phase1_bytes(hidden, tokens, i_block_tiles, size):
     and results, and the fp32 element-wise temporaries."""
     tt = min(SAVED_TOKEN_TILE, tokens)
     cols = i_block_tiles * P
-    streamed = _ceil_div(hidden, P) * tt + 2 * 2 * i_block_tiles * tt + 3 * _ceil_div(tt, P) * cols + 2 * tt
-    return 2 * _ceil_div(hidden, P) * cols * size + 2 * streamed * size + 8 * tt * 4
+    streamed = ceil_div(hidden, P) * tt + 2 * 2 * i_block_tiles * tt + 3 * ceil_div(tt, P) * cols + 2 * tt
+    return 2 * ceil_div(hidden, P) * cols * size + 2 * streamed * size + 8 * tt * 4
 
 
 def _gemm_bytes(nk, m_cols, n_cols, size, multi, cached):
@@ -416,7 +399,7 @@ def _gemm_bytes(nk, m_cols, n_cols, size, multi, cached):
     fp32 partial sums when the contraction spans several groups, and output rows."""
     lhs = (1 if cached == "lhs" else 2) * nk * m_cols * size
     rhs = (1 if cached == "rhs" else 2) * nk * n_cols * size
-    acc = _ceil_div(m_cols, P) * n_cols * 4 if multi else 0
+    acc = ceil_div(m_cols, P) * n_cols * 4 if multi else 0
     return lhs + rhs + acc + 2 * n_cols * size
 
 
@@ -438,22 +421,22 @@ def backward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
     Returns a dict: i_block_tiles (phase 1), dx_rows/dx_cols (phase 2), down_rows (phase 3's
     dWd hidden rows per block), gate_cols (phase 3's dWg/dWu hidden columns per block).
     """
-    size = _itemsize(dtype)
+    size = itemsize(dtype)
     budget = sbuf_bytes - SBUF_RESERVE
-    ib = min(MAX_I_BLOCK_TILES, _ceil_div(inter, P))
+    ib = min(MAX_I_BLOCK_TILES, ceil_div(inter, P))
     while ib > 1 and _phase1_bytes(hidden, tokens, ib, size) > budget:
         ib -= 1
-    token_tiles = _ceil_div(tokens, P)
+    token_tiles = ceil_div(tokens, P)
     nk = min(TOKEN_K_TILES, token_tiles)
     multi = token_tiles > TOKEN_K_TILES
     dx = _fit_gemm(DX_K_TILES, min(GEMM_ROWS, token_tiles * P), min(DX_COLS, hidden), size,
-                   2 * _ceil_div(inter, P) > DX_K_TILES, None, budget)
-    down = _fit_gemm(nk, min(GEMM_ROWS, _ceil_div(hidden, P) * P), ib * P, size, multi,
+                   2 * ceil_div(inter, P) > DX_K_TILES, None, budget)
+    down = _fit_gemm(nk, min(GEMM_ROWS, ceil_div(hidden, P) * P), ib * P, size, multi,
                      None if multi else "lhs", budget)
     gate = _fit_gemm(nk, ib * P, min(GEMM_COLS, hidden), size, multi, None if multi else "rhs", budget, "n")
     if _phase1_bytes(hidden, tokens, ib, size) > budget or None in (dx, down, gate):
         raise ValueError(f"mlp: backward with hidden size {hidden} and intermediate size {inter} "
-                         f"({_dtype_name(dtype)}) does not fit the {sbuf_bytes // 1024} KiB of SBUF per partition")
+                         f"({dtype_name(dtype)}) does not fit the {sbuf_bytes // 1024} KiB of SBUF per partition")
     return {"i_block_tiles": ib, "dx_rows": dx[0], "dx_cols": dx[1], "down_rows": down[0], "gate_cols": gate[1]}
 
 
@@ -494,8 +477,8 @@ def _activation_and_grad(gate, rows, cols, activation, columns):
 def _transpose_tokens_to_scratch(dy, dy_t, token_tile, hidden, dtype, engines):
     """dy_t[b, p, k, t] = dy[b * token_tile + t, k * 128 + p]: dy^T, token tile by token tile."""
     tokens = dy.shape[0]
-    for b, (t0, tsz) in enumerate(_tiles(tokens, token_tile)):
-        buf = nl.ndarray((P, _ceil_div(hidden, P), tsz), dtype, buffer=nl.sbuf)
+    for b, (t0, tsz) in enumerate(tiles(tokens, token_tile)):
+        buf = nl.ndarray((P, ceil_div(hidden, P), tsz), dtype, buffer=nl.sbuf)
         _load_transposed_tokens(buf, dy, t0, tsz, hidden, dtype, engines)
         nisa.dma_copy(dst=dy_t[b, :, :, :tsz], src=buf)
 
@@ -511,10 +494,10 @@ def _intermediate_grads(dy_t, saved, w_down, dgu_t, grad_rows, i_block_tiles, to
     is used); each step's token-tile loads are issued one step ahead; a tile's transposes are
     issued after the next tile's matmuls, so TensorE never waits for the element-wise chain."""
     token_tile = saved.shape[4]
-    i_tiles = list(_tiles(inter, P))
-    h_tiles = list(_tiles(hidden, P))
+    i_tiles = list(tiles(inter, P))
+    h_tiles = list(tiles(hidden, P))
     blocks = [i_tiles[k:k + i_block_tiles] for k in range(0, len(i_tiles), i_block_tiles)]
-    token_tiles = list(_tiles(tokens, token_tile))
+    token_tiles = list(tiles(tokens, token_tile))
     steps = [(ib, b) for ib in range(len(blocks)) for b in range(len(token_tiles))]
     width = min(inter, i_block_tiles * P)
     w_d = [nl.ndarray((P, len(h_tiles), width), dtype, buffer=nl.sbuf) for _ in range(min(2, len(blocks)))]
@@ -526,7 +509,7 @@ def _intermediate_grads(dy_t, saved, w_down, dgu_t, grad_rows, i_block_tiles, to
         step of the block before it, so its DMA shares bandwidth with those steps' loads)."""
         c0 = blocks[ib][0][0]
         cols = blocks[ib][-1][0] + blocks[ib][-1][1] - c0
-        per = _ceil_div(len(h_tiles), parts)
+        per = ceil_div(len(h_tiles), parts)
         for k, (r0, rows) in enumerate(h_tiles[part * per:(part + 1) * per], start=part * per):
             nisa.dma_copy(dst=w_d[ib % 2][:rows, k, :cols], src=w_down[r0:r0 + rows, c0:c0 + cols])
 
@@ -554,7 +537,7 @@ def _intermediate_grads(dy_t, saved, w_down, dgu_t, grad_rows, i_block_tiles, to
         it0, nbt = ib * i_block_tiles, len(block)
         cols = block[-1][0] + block[-1][1] - block[0][0]
         grads_t = nl.ndarray((P, 2, nbt, tsz), dtype, buffer=nl.sbuf)  # dg^T, du^T
-        rows = nl.ndarray((P, 3, _ceil_div(tsz, P), cols), dtype, buffer=nl.sbuf)  # a, dg, du token-major
+        rows = nl.ndarray((P, 3, ceil_div(tsz, P), cols), dtype, buffer=nl.sbuf)  # a, dg, du token-major
         for j, (i0, isz) in enumerate(block):
             d_act = nl.ndarray((isz, tsz), nl.float32, buffer=nl.psum)
             for k, (h0, hsz) in enumerate(h_tiles):
@@ -570,7 +553,7 @@ def _intermediate_grads(dy_t, saved, w_down, dgu_t, grad_rows, i_block_tiles, to
         pending[-1] += [
             (nisa.dma_copy, (dgu_t[b, :, it0:it0 + nbt, :tsz], grads_t[:, 0, :, :])),
             (nisa.dma_copy, (dgu_t[b, :, i_total + it0:i_total + it0 + nbt, :tsz], grads_t[:, 1, :, :])),
-            (nisa.dma_copy, (grad_rows[:, ib, :, r0:r0 + _ceil_div(tsz, P), :cols].permute(1, 0, 2, 3), rows)),
+            (nisa.dma_copy, (grad_rows[:, ib, :, r0:r0 + ceil_div(tsz, P), :cols].permute(1, 0, 2, 3), rows)),
         ]
     for group in pending:
         _run(group)
@@ -645,7 +628,7 @@ def _gemm_tn(k_tiles, m_blocks, n_blocks, load_lhs, load_rhs, store, k_group, ca
         last = g == len(groups) - 1
         for j, (col, rows, tag) in enumerate(mb):
             out_tile = nl.ndarray((rows, n_cols), dtype, buffer=nl.sbuf) if last else None
-            for n0, nsz in _tiles(n_cols, TOKEN_TILE):
+            for n0, nsz in tiles(n_cols, TOKEN_TILE):
                 ps = nl.ndarray((rows, nsz), nl.float32, buffer=nl.psum)
                 for kk in range(nk):
                     ksz = k_tiles[k0 + kk]
@@ -676,14 +659,14 @@ def _load_token_major(src, tokens, c0, cols, k0, nk, out):
 
 def _weight_grads(dy, x, grad_rows, dw_gate, dw_up, dw_down, plan, tokens, hidden, inter, dtype, engines):
     """Phase 3: dWd = dy^T a, dWg = dg^T x, dWu = du^T x, contracting over tokens."""
-    k_tiles = [size for _, size in _tiles(tokens, P)]
+    k_tiles = [size for _, size in tiles(tokens, P)]
     nk = min(TOKEN_K_TILES, len(k_tiles))
     ib_cols = plan["i_block_tiles"] * P
-    i_blocks = list(_tiles(inter, ib_cols))
+    i_blocks = list(tiles(inter, ib_cols))
 
     # dWd [H, I]: rows are hidden (dy's columns), columns the intermediate blocks (a, token-major).
     down_rows = plan["down_rows"]
-    h_blocks = [[(c0, c, m0 + c0) for c0, c in _tiles(rows, P)] for m0, rows in _tiles(hidden, down_rows)]
+    h_blocks = [[(c0, c, m0 + c0) for c0, c in tiles(rows, P)] for m0, rows in tiles(hidden, down_rows)]
 
     def load_dy(mb, k0, n, into):
         cols = mb[-1][0] + mb[-1][1]
@@ -703,7 +686,7 @@ def _weight_grads(dy, x, grad_rows, dw_gate, dw_up, dw_down, plan, tokens, hidde
 
     # dWg, dWu [I, H]: rows are intermediate blocks (dg or du, token-major), columns hidden blocks of x.
     gate_cols = plan["gate_cols"]
-    g_blocks = [[(cc, c, (target, kind, ib, c0 + cc)) for cc, c in _tiles(cols, P)]
+    g_blocks = [[(cc, c, (target, kind, ib, c0 + cc)) for cc, c in tiles(cols, P)]
                 for kind, target in ((1, dw_gate), (2, dw_up)) for ib, (c0, cols) in enumerate(i_blocks)]
 
     def load_grad(mb, k0, n, into):
@@ -721,23 +704,23 @@ def _weight_grads(dy, x, grad_rows, dw_gate, dw_up, dw_down, plan, tokens, hidde
         target, _, _, r0 = tag
         nisa.dma_copy(dst=target[r0:r0 + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
 
-    _gemm_tn(k_tiles, g_blocks, list(_tiles(hidden, gate_cols)), load_grad, load_x, store_gate_up, nk, "rhs",
+    _gemm_tn(k_tiles, g_blocks, list(tiles(hidden, gate_cols)), load_grad, load_x, store_gate_up, nk, "rhs",
              dtype, engines)
 
 
 def _input_grad(dgu_t, w_gate, w_up, dx, plan, tokens, hidden, inter, dtype, engines):
     """Phase 2: dx = dg Wg + du Wu, contracting over the 2I intermediate rows (dg^T, du^T from phase 1)."""
     token_tile = dgu_t.shape[3]
-    i_tiles = list(_tiles(inter, P))
+    i_tiles = list(tiles(inter, P))
     k_src = [(w_gate, i0, isz) for i0, isz in i_tiles] + [(w_up, i0, isz) for i0, isz in i_tiles]
     k_tiles = [isz for _, _, isz in k_src]
-    m_blocks = [[(c0, c, m0 + c0) for c0, c in _tiles(rows, P)] for m0, rows in _tiles(tokens, plan["dx_rows"])]
+    m_blocks = [[(c0, c, m0 + c0) for c0, c in tiles(rows, P)] for m0, rows in tiles(tokens, plan["dx_rows"])]
 
     def load_lhs(mb, k0, nk, into):
         m0 = mb[0][2]
         rows = mb[-1][0] + mb[-1][1]
         out = nl.ndarray((P, nk, rows), dtype, buffer=nl.sbuf)
-        for t0, tsz in _tiles(rows, token_tile):
+        for t0, tsz in tiles(rows, token_tile):
             nisa.dma_copy(dst=out[:, :, t0:t0 + tsz], src=dgu_t[(m0 + t0) // token_tile, :, k0:k0 + nk, :tsz])
         return out
 
@@ -752,7 +735,7 @@ def _input_grad(dgu_t, w_gate, w_up, dx, plan, tokens, hidden, inter, dtype, eng
     def store(m0, nb, tile):
         nisa.dma_copy(dst=dx[m0:m0 + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
 
-    _gemm_tn(k_tiles, m_blocks, list(_tiles(hidden, plan["dx_cols"])), load_lhs, load_rhs, store, DX_K_TILES, None,
+    _gemm_tn(k_tiles, m_blocks, list(tiles(hidden, plan["dx_cols"])), load_lhs, load_rhs, store, DX_K_TILES, None,
              dtype, engines)
 
 
@@ -812,11 +795,11 @@ def mlp_bwd(dy, x, w_gate, w_up, w_down, saved, activation):
     else:
         dwg, dwu = dw_gate, dw_up
     token_tile = saved.shape[4]
-    n_token_tiles, h_tiles, i_tiles = saved.shape[0], _ceil_div(hidden, P), _ceil_div(inter, P)
+    n_token_tiles, h_tiles, i_tiles = saved.shape[0], ceil_div(hidden, P), ceil_div(inter, P)
     ib = plan["i_block_tiles"]
     dy_t = nl.ndarray((n_token_tiles, P, h_tiles, token_tile), dtype, buffer=nl.hbm)
     dgu_t = nl.ndarray((n_token_tiles, P, 2 * i_tiles, token_tile), dtype, buffer=nl.hbm)
-    grad_rows = nl.ndarray((3, _ceil_div(i_tiles, ib), P, _ceil_div(tokens, P), min(inter, ib * P)), dtype,
+    grad_rows = nl.ndarray((3, ceil_div(i_tiles, ib), P, ceil_div(tokens, P), min(inter, ib * P)), dtype,
                            buffer=nl.hbm)
     engines = _Alternator()
     _transpose_tokens_to_scratch(dy, dy_t, token_tile, hidden, dtype, engines)
