@@ -278,9 +278,25 @@ class _KeysAndValues(nl.NKIObject):
             self.v_tiles[index] = v_tile
 
 
+class _KeyStep(nl.NKIObject):
+    """One key step of a query tile on its way through the forward pipeline: what each stage leaves
+    for the next. A stage drops what no later stage reads, so its tiles are freed as soon as they can be."""
+
+    def __init__(self, k0, kc):
+        self.k0, self.kc = k0, kc
+        self.scores = None  # S in PSUM, or its softcapped/biased copy in SBUF (scores)
+        self.in_psum = False
+        self.logits = None  # the masked scores in SBUF (row_max)
+        self.old_neg_max = self.neg_max = None  # the running max (negated) before and after the step
+        self.probs = None  # P = exp(logits - max) (exponentiate)
+        self.correction = None  # exp(old max - new max), for the running output
+        self.blocks = None  # P^T per 128-key block: (c0, cc, tile, by DMA?) (transpose_probs, evict_probs)
+        self.pv = None  # [P V | rowsum P] in PSUM (multiply_values)
+
+
 class _QueryTile(nl.NKIObject):
     """The online-softmax state of one 128-query tile, advanced one key step (FWD_KEY_TILE keys)
-    at a time by the pipeline stages; ``pending`` carries each step's data between stages."""
+    at a time by the pipeline stages; ``pending`` holds the ``_KeyStep`` of each step in flight."""
 
     def __init__(self, q, b, h, seen, scale, softcap, keys):
         self.q, self.b, self.h, self.seen, self.scale, self.softcap, self.keys = q, b, h, seen, scale, softcap, keys
@@ -341,12 +357,15 @@ class _QueryTile(nl.NKIObject):
             nisa.scalar_tensor_tensor(dst=biased, data=bias_tile, op0=nl.multiply, operand0=1.0 / self.exp_scale,
                                       op1=nl.add, operand1=t)
             t = biased
-        self.pending[step] = (k0, kc, t, t is scores)
+        item = _KeyStep(k0, kc)
+        item.scores, item.in_psum = t, t is scores
+        self.pending[step] = item
 
     def row_max(self, step):
         """One VectorE pass: the scores out of PSUM into SBUF, masked, with their row max; then
         the new running max (kept negated: it is the exp's bias) on GpSimd."""
-        k0, kc, t, in_psum = self.pending[step]
+        item = self.pending[step]
+        k0, kc, t, in_psum = item.k0, item.kc, item.scores, item.in_psum
         rows = self.rows
         tile_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         masked = self.seen.masks(k0, kc)
@@ -371,23 +390,26 @@ class _QueryTile(nl.NKIObject):
         neg_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=neg_max, data=tile_max, op0=nl.multiply, operand0=-self.exp_scale,
                            op1=nl.minimum, operand1=self.neg_running_max, engine=nisa.engine.gpsimd)
-        self.pending[step] = (k0, kc, logits, self.neg_running_max, neg_max)
+        item.logits, item.old_neg_max, item.neg_max, item.scores = logits, self.neg_running_max, neg_max, None
         self.neg_running_max = neg_max
 
     def exponentiate(self, step):
         """P = exp(logits - max) on ScalarE, and the rescale factor of what came before."""
-        k0, kc, logits, old_neg_max, neg_max = self.pending[step]
+        item = self.pending[step]
+        kc, logits, neg_max = item.kc, item.logits, item.neg_max
         rows = self.rows
         correction = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # exp(old max - new max)
-        nisa.activation(dst=correction, op=nl.exp, data=old_neg_max, scale=-1.0, bias=neg_max)
+        nisa.activation(dst=correction, op=nl.exp, data=item.old_neg_max, scale=-1.0, bias=neg_max)
         probs = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
         nisa.activation(dst=probs, op=nl.exp, data=logits, bias=neg_max, scale=self.exp_scale)
-        self.pending[step] = (k0, kc, probs, correction)
+        item.probs, item.correction = probs, correction
+        item.logits = item.old_neg_max = item.neg_max = None
 
     def transpose_probs(self, step):
         """P^T (keys onto partitions) per 128-key block: DMA_TRANSPOSE_SHARE of the blocks by the
         DMA engines straight into SBUF, the rest on TensorE into PSUM."""
-        k0, kc, probs, correction = self.pending[step]
+        item = self.pending[step]
+        k0, kc, probs = item.k0, item.kc, item.probs
         blocks = []
         for c0, cc in tiles(kc, P):
             index = (k0 + c0) // P
@@ -400,14 +422,15 @@ class _QueryTile(nl.NKIObject):
                 probs_t = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.psum)
                 nisa.nc_transpose(dst=probs_t, data=probs[:, c0:c0 + cc])
             blocks.append((c0, cc, probs_t, by_dma))
-        self.pending[step] = (k0, blocks, probs, correction)
+        item.blocks = blocks
 
     def evict_probs(self, step):
         """The TensorE-transposed blocks out of PSUM: mostly on ScalarE, as VectorE already makes a
         full pass over the scores (see VECTOR_EVICTION_PERIOD)."""
-        k0, blocks, probs, correction = self.pending[step]
+        item = self.pending[step]
+        k0 = item.k0
         evicted = []
-        for c0, cc, probs_t, by_dma in blocks:
+        for c0, cc, probs_t, by_dma in item.blocks:
             if not by_dma:
                 in_sbuf = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.sbuf)
                 if ((k0 + c0) // P) % VECTOR_EVICTION_PERIOD == VECTOR_EVICTION_PERIOD - 1:
@@ -415,24 +438,24 @@ class _QueryTile(nl.NKIObject):
                 else:
                     nisa.activation(dst=in_sbuf, op=nl.copy, data=probs_t)
                 probs_t = in_sbuf
-            evicted.append((c0, cc, probs_t))
-        self.pending[step] = (k0, evicted, correction)
+            evicted.append((c0, cc, probs_t, by_dma))
+        item.blocks, item.probs = evicted, None
 
     def multiply_values(self, step):
         """[P V | rowsum P] for the step, accumulated over its 128-key blocks in one PSUM bank."""
-        k0, blocks, correction = self.pending[step]
+        item = self.pending[step]
         pv = nl.ndarray((self.rows, self.d + 1), nl.float32, buffer=nl.psum)
-        for c0, cc, probs_t in blocks:
-            v_tile = self.keys.v_tiles[(k0 + c0) // P]
-            first = (k0 + c0) % P
+        for c0, cc, probs_t, _ in item.blocks:
+            v_tile = self.keys.v_tiles[(item.k0 + c0) // P]
+            first = (item.k0 + c0) % P
             nisa.nc_matmul(dst=pv, stationary=probs_t, moving=v_tile[first:first + cc, :])
-        self.pending[step] = (pv, correction)
+        item.pv, item.blocks = pv, None
 
     def rescale(self, step):
         """acc = acc * correction + [P V | rowsum P]."""
-        pv, correction = self.pending.pop(step)
-        nisa.scalar_tensor_tensor(dst=self.acc, data=self.acc, op0=nl.multiply, operand0=correction, op1=nl.add,
-                                  operand1=pv)
+        item = self.pending.pop(step)
+        nisa.scalar_tensor_tensor(dst=self.acc, data=self.acc, op0=nl.multiply, operand0=item.correction,
+                                  op1=nl.add, operand1=item.pv)
 
     def finish(self, out, lse_out):
         """out = acc / sum on GpSimd (a row that saw no key has acc = 0 and sum = 0, and stays 0); lse."""
@@ -501,15 +524,22 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
                     dk_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in tiles(kc, P)]
                     dv_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in tiles(kc, P)]
                     active = [side for side in rows_of if side.seen.sees(k0, kc)]
+                    # BWD_INTERLEAVE query tiles at a time, each phase issued for all of them before the
+                    # next: one tile's TensorE work overlaps the other's element-wise work.
                     for i in range(0, len(active), BWD_INTERLEAVE):
-                        group_sides = active[i:i + BWD_INTERLEAVE]
-                        for phase in (lambda t: t.products(keys),
-                                      lambda t: t.probabilities(keys, bias, scale, softcap, exp_scale),
-                                      lambda t: t.score_gradients(scale, softcap),
-                                      lambda t: t.key_gradients(dk_psum, dv_psum), lambda t: t.query_gradient(keys),
-                                      lambda t: t.add_query_gradient()):
-                            for side in group_sides:
-                                phase(side)
+                        sides = active[i:i + BWD_INTERLEAVE]
+                        for side in sides:
+                            side.products(keys)
+                        for side in sides:
+                            side.probabilities(keys, bias, scale, softcap, exp_scale)
+                        for side in sides:
+                            side.score_gradients(scale, softcap)
+                        for side in sides:
+                            side.key_gradients(dk_psum, dv_psum)
+                        for side in sides:
+                            side.query_gradient(keys)
+                        for side in sides:
+                            side.add_query_gradient()
                     for j, (c0, kr) in enumerate(tiles(kc, P)):
                         block = (k0 + c0) // P
                         if any(side.seen.sees(k0, kc) for side in rows_of):

@@ -120,23 +120,18 @@ def check_shapes(x_shape, gate_shape, up_shape, down_shape, activation, dtypes=N
 # ---------------------------------------------------------------------------------------------
 # shared pieces
 # ---------------------------------------------------------------------------------------------
-def _evict(dst, src, on_scalar):
-    """PSUM -> SBUF copy (with a cast), alternated between ScalarE and VectorE by the caller."""
-    if on_scalar:
-        nisa.activation(dst=dst, op=nl.copy, data=src)
-    else:
-        nisa.tensor_copy(dst=dst, src=src)
-
-
-class _Alternator:
-    """Hands out ScalarE / VectorE in turn so PSUM evictions share the two engines."""
+class _Evictions(nl.NKIObject):
+    """PSUM -> SBUF copies (with a cast), on ScalarE and VectorE in turn so that they share the two evictions."""
 
     def __init__(self):
         self.count = 0
 
-    def next(self):
+    def evict(self, dst, src):
         self.count += 1
-        return self.count % 2 == 0
+        if self.count % 2 == 0:
+            nisa.activation(dst=dst, op=nl.copy, data=src)
+        else:
+            nisa.tensor_copy(dst=dst, src=src)
 
 
 def _group_size(dtype):
@@ -144,7 +139,7 @@ def _group_size(dtype):
     return PSUM_BANK_BYTES // (P * itemsize(dtype))
 
 
-def _transpose_rows_into(dst, src_rows, rows, cols, dtype, engines):
+def _transpose_rows_into(dst, src_rows, rows, cols, dtype, evictions):
     """dst[:c, j, :rows] = src_rows[:rows, j*128 : j*128 + c]^T for every 128-column block j.
 
     ``src_rows`` is an SBUF tile [rows, cols]; ``dst`` an SBUF tile [P, ceil(cols/128), >= rows].
@@ -161,27 +156,27 @@ def _transpose_rows_into(dst, src_rows, rows, cols, dtype, engines):
         width = members[0][1]  # full blocks share one eviction; a partial last block is evicted alone
         full = [m for m in members if m[1] == width]
         view = bank[:width, :len(full) * P].reshape((width, len(full), P))
-        _evict(dst[:width, g0:g0 + len(full), :rows], view[:, :, :rows], engines.next())
+        evictions.evict(dst[:width, g0:g0 + len(full), :rows], view[:, :, :rows])
         if len(full) < len(members):
             (c0, c), j = members[-1], len(members) - 1
-            _evict(dst[:c, g0 + j, :rows], bank[:c, j * P:j * P + rows], engines.next())
+            evictions.evict(dst[:c, g0 + j, :rows], bank[:c, j * P:j * P + rows])
 
 
-def _load_transposed_tokens(out, src, t0, tokens, width, dtype, engines):
+def _load_transposed_tokens(out, src, t0, tokens, width, dtype, evictions):
     """out[:, :, :tokens] = src[t0 : t0 + tokens, :width]^T, feature-major: out is [P, ceil(width/128), >= tokens]."""
     for r0, rows in tiles(tokens, P):
         tile = nl.ndarray((rows, width), dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=src[t0 + r0:t0 + r0 + rows, :])
-        _transpose_rows_into(out[:, :, r0:r0 + rows], tile, rows, width, dtype, engines)
+        _transpose_rows_into(out[:, :, r0:r0 + rows], tile, rows, width, dtype, evictions)
 
 
-def _load_weight_transposed(weight, r0, rows, cols, dtype, engines):
+def _load_weight_transposed(weight, r0, rows, cols, dtype, evictions):
     """weight[r0 : r0 + rows, :cols]^T as an SBUF tile [P, ceil(cols/128), rows], read in wide rows."""
     out = nl.ndarray((P, ceil_div(cols, P), rows), dtype, buffer=nl.sbuf)
     for c0, c in tiles(cols, WEIGHT_ROW_CHUNK):
         raw = nl.ndarray((rows, c), dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=raw, src=weight[r0:r0 + rows, c0:c0 + c])
-        _transpose_rows_into(out[:, c0 // P:, :], raw, rows, c, dtype, engines)
+        _transpose_rows_into(out[:, c0 // P:, :], raw, rows, c, dtype, evictions)
     return out
 
 
@@ -222,71 +217,80 @@ def forward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
                      f"fit the {sbuf_bytes // 1024} KiB of SBUF per partition")
 
 
-def _gate_up_part(x_t, w_gate, w_up, part, t_block, hidden, activation, act_t, saved, t0, dtype, engines):
-    """a^T = act(x Wg^T)^T * (x Wu^T)^T for the part's intermediate tiles, into ``act_t``."""
-    h_tiles = list(tiles(hidden, P))
-    for j, (i0, isz) in enumerate(part):
-        wg_t = _load_weight_transposed(w_gate, i0, isz, hidden, dtype, engines)
-        wu_t = _load_weight_transposed(w_up, i0, isz, hidden, dtype, engines)
-        for tt0, tt in tiles(t_block, TOKEN_TILE):
-            gate = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
-            up = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
-            for k, (h0, hsz) in enumerate(h_tiles):
-                nisa.nc_matmul(dst=gate, stationary=wg_t[:hsz, k, :isz], moving=x_t[:hsz, k, tt0:tt0 + tt])
-            for k, (h0, hsz) in enumerate(h_tiles):
-                nisa.nc_matmul(dst=up, stationary=wu_t[:hsz, k, :isz], moving=x_t[:hsz, k, tt0:tt0 + tt])
-            activated = nl.ndarray((isz, tt), nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=activated, op=_act_op(activation), data=gate)
-            nisa.tensor_tensor(dst=act_t[:isz, j, tt0:tt0 + tt], data1=activated, data2=up, op=nl.multiply)
-            if saved is not None:
-                _save_gate_up(saved, gate, up, t0 + tt0, tt, i0 // P, isz, dtype, engines)
+class _Forward(nl.NKIObject):
+    """What the forward's steps share: the weights, the activation, the output (and saved) buffers, the
+    partial sums of a multi-part intermediate, and the x^T and a^T SBUF buffers that every token block
+    and part reuses (their reuse orders the next block's writes after this block's last reads, as the
+    hardware would need)."""
 
+    def __init__(self, w_gate, w_up, w_down, activation, out, saved, partial, x_t, act_t, evictions):
+        self.w_gate, self.w_up, self.w_down, self.activation = w_gate, w_up, w_down, activation
+        self.out, self.saved, self.partial, self.x_t, self.act_t = out, saved, partial, x_t, act_t
+        self.hidden, self.dtype, self.evictions = w_down.shape[0], out.dtype, evictions
 
-def _save_gate_up(saved, gate, up, t_start, tt, i_tile, isz, dtype, engines):
-    """saved[..., k, i_tile, ...] = gate / up (rounded to the input dtype), split at saved token tiles."""
-    width = saved.shape[4]
-    for k, src in enumerate((gate, up)):
-        rounded = nl.ndarray((isz, tt), dtype, buffer=nl.sbuf)
-        _evict(rounded, src, engines.next())
-        for c0, c in tiles(tt, width):
-            block, col = (t_start + c0) // width, (t_start + c0) % width
-            nisa.dma_copy(dst=saved[block, :isz, k, i_tile, col:col + c], src=rounded[:, c0:c0 + c])
+    def gate_up(self, part, t0, t_block):
+        """a^T = act(x Wg^T)^T * (x Wu^T)^T for the part's intermediate tiles, into ``act_t``."""
+        h_tiles = list(tiles(self.hidden, P))
+        for j, (i0, isz) in enumerate(part):
+            wg_t = _load_weight_transposed(self.w_gate, i0, isz, self.hidden, self.dtype, self.evictions)
+            wu_t = _load_weight_transposed(self.w_up, i0, isz, self.hidden, self.dtype, self.evictions)
+            for tt0, tt in tiles(t_block, TOKEN_TILE):
+                gate = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
+                up = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
+                for k, (h0, hsz) in enumerate(h_tiles):
+                    nisa.nc_matmul(dst=gate, stationary=wg_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0:tt0 + tt])
+                for k, (h0, hsz) in enumerate(h_tiles):
+                    nisa.nc_matmul(dst=up, stationary=wu_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0:tt0 + tt])
+                activated = nl.ndarray((isz, tt), nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=activated, op=_act_op(self.activation), data=gate)
+                nisa.tensor_tensor(dst=self.act_t[:isz, j, tt0:tt0 + tt], data1=activated, data2=up, op=nl.multiply)
+                if self.saved is not None:
+                    self._save_gate_up(gate, up, t0 + tt0, tt, i0 // P, isz)
 
+    def _save_gate_up(self, gate, up, t_start, tt, i_tile, isz):
+        """saved[..., k, i_tile, ...] = gate / up (rounded to the input dtype), split at saved token tiles."""
+        width = self.saved.shape[4]
+        for k, src in enumerate((gate, up)):
+            rounded = nl.ndarray((isz, tt), self.dtype, buffer=nl.sbuf)
+            self.evictions.evict(rounded, src)
+            for c0, c in tiles(tt, width):
+                block, col = (t_start + c0) // width, (t_start + c0) % width
+                nisa.dma_copy(dst=self.saved[block, :isz, k, i_tile, col:col + c], src=rounded[:, c0:c0 + c])
 
-def _down_part(act_t, w_down, part, t_block, hidden, dtype, out, t0, partial, first, last, engines):
-    """y^T (+)= Wd[:, part] a^T[part] for every hidden tile; the last part writes y."""
-    p0 = part[0][0]
-    p_cols = part[-1][0] + part[-1][1] - p0
-    for h0, hsz in tiles(hidden, P):
-        wd_t = _load_weight_transposed(w_down[:, p0:p0 + p_cols], h0, hsz, p_cols, dtype, engines)
-        y_t = nl.ndarray((hsz, t_block), dtype if last else nl.float32, buffer=nl.sbuf)
-        for tt0, tt in tiles(t_block, TOKEN_TILE):
-            acc = nl.ndarray((hsz, tt), nl.float32, buffer=nl.psum)
-            for j, (i0, isz) in enumerate(part):
-                nisa.nc_matmul(dst=acc, stationary=wd_t[:isz, j, :hsz], moving=act_t[:isz, j, tt0:tt0 + tt])
-            if first:
-                _evict(y_t[:, tt0:tt0 + tt], acc, engines.next())
+    def down(self, part, t0, t_block, first, last):
+        """y^T (+)= Wd[:, part] a^T[part] for every hidden tile; the last part writes y."""
+        dtype = self.dtype
+        p0 = part[0][0]
+        p_cols = part[-1][0] + part[-1][1] - p0
+        for h0, hsz in tiles(self.hidden, P):
+            wd_t = _load_weight_transposed(self.w_down[:, p0:p0 + p_cols], h0, hsz, p_cols, dtype, self.evictions)
+            y_t = nl.ndarray((hsz, t_block), dtype if last else nl.float32, buffer=nl.sbuf)
+            for tt0, tt in tiles(t_block, TOKEN_TILE):
+                acc = nl.ndarray((hsz, tt), nl.float32, buffer=nl.psum)
+                for j, (i0, isz) in enumerate(part):
+                    nisa.nc_matmul(dst=acc, stationary=wd_t[:isz, j, :hsz], moving=self.act_t[:isz, j, tt0:tt0 + tt])
+                if first:
+                    self.evictions.evict(y_t[:, tt0:tt0 + tt], acc)
+                else:
+                    earlier = nl.ndarray((hsz, tt), nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=earlier, src=self.partial[h0:h0 + hsz, tt0:tt0 + tt])
+                    nisa.tensor_tensor(dst=y_t[:, tt0:tt0 + tt], data1=acc, data2=earlier, op=nl.add)
+            if last:
+                self._store_rows(y_t, t0, t_block, h0, hsz)
             else:
-                earlier = nl.ndarray((hsz, tt), nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=earlier, src=partial[h0:h0 + hsz, tt0:tt0 + tt])
-                nisa.tensor_tensor(dst=y_t[:, tt0:tt0 + tt], data1=acc, data2=earlier, op=nl.add)
-        if last:
-            _store_rows(out, y_t, t0, t_block, h0, hsz, dtype, engines)
-        else:
-            nisa.dma_copy(dst=partial[h0:h0 + hsz, :t_block], src=y_t)
+                nisa.dma_copy(dst=self.partial[h0:h0 + hsz, :t_block], src=y_t)
 
-
-def _store_rows(out, y_t, t0, t_block, h0, hsz, dtype, engines):
-    """out[t0 : t0 + t_block, h0 : h0 + hsz] = y_t^T, transposed back on TensorE."""
-    rows = nl.ndarray((P, ceil_div(t_block, P), hsz), dtype, buffer=nl.sbuf)
-    _transpose_rows_into(rows, y_t, hsz, t_block, dtype, engines)
-    full = t_block // P
-    if full:
-        dst = out[t0:t0 + full * P, h0:h0 + hsz].reshape((full, P, hsz)).permute(1, 0, 2)
-        nisa.dma_copy(dst=dst, src=rows[:, :full, :])
-    if t_block % P:
-        r = t_block % P
-        nisa.dma_copy(dst=out[t0 + full * P:t0 + t_block, h0:h0 + hsz], src=rows[:r, full, :])
+    def _store_rows(self, y_t, t0, t_block, h0, hsz):
+        """out[t0 : t0 + t_block, h0 : h0 + hsz] = y_t^T, transposed back on TensorE."""
+        rows = nl.ndarray((P, ceil_div(t_block, P), hsz), self.dtype, buffer=nl.sbuf)
+        _transpose_rows_into(rows, y_t, hsz, t_block, self.dtype, self.evictions)
+        full = t_block // P
+        if full:
+            dst = self.out[t0:t0 + full * P, h0:h0 + hsz].reshape((full, P, hsz)).permute(1, 0, 2)
+            nisa.dma_copy(dst=dst, src=rows[:, :full, :])
+        if t_block % P:
+            r = t_block % P
+            nisa.dma_copy(dst=self.out[t0 + full * P:t0 + t_block, h0:h0 + hsz], src=rows[:r, full, :])
 
 
 @nki.jit
@@ -335,17 +339,15 @@ def mlp_fwd(x, w_gate, w_up, w_down, activation, save_gate_up):
     i_tiles = list(tiles(inter, P))
     parts = [i_tiles[k:k + part_tiles] for k in range(0, len(i_tiles), part_tiles)]
     partial = nl.ndarray((hidden, block), nl.float32, buffer=nl.hbm) if len(parts) > 1 else None
-    engines = _Alternator()
-    # One x^T and one a^T buffer, reused by every token block and part: their reuse orders the
-    # next block's writes after this block's last reads, as the hardware would need.
+    evictions = _Evictions()
     x_t = nl.ndarray((P, ceil_div(hidden, P), block), dtype, buffer=nl.sbuf)
     act_t = nl.ndarray((P, part_tiles, block), dtype, buffer=nl.sbuf)
+    forward = _Forward(w_gate, w_up, w_down, activation, out, saved, partial, x_t, act_t, evictions)
     for t0, t_block in tiles(tokens, block):
-        _load_transposed_tokens(x_t[:, :, :t_block], x, t0, t_block, hidden, dtype, engines)
+        _load_transposed_tokens(x_t[:, :, :t_block], x, t0, t_block, hidden, dtype, evictions)
         for n, part in enumerate(parts):
-            _gate_up_part(x_t, w_gate, w_up, part, t_block, hidden, activation, act_t, saved, t0, dtype, engines)
-            _down_part(act_t, w_down, part, t_block, hidden, dtype, out, t0, partial,
-                       first=n == 0, last=n == len(parts) - 1, engines=engines)
+            forward.gate_up(part, t0, t_block)
+            forward.down(part, t0, t_block, first=n == 0, last=n == len(parts) - 1)
     if save_gate_up:
         _zero_saved_padding(saved, tokens, inter, dtype)
         return out, saved
@@ -415,12 +417,18 @@ def _fit_gemm(nk, m_cols, n_cols, size, multi, cached, budget, shrink="m"):
     return m_cols, n_cols
 
 
-def backward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
-    """Block sizes of the backward's phases for the SBUF budget (raises when nothing fits).
+class BackwardPlan(nl.NKIObject):
+    """Block sizes of the backward's phases: i_block_tiles (phase 1's intermediate tiles per block),
+    dx_rows/dx_cols (phase 2's output block), down_rows (phase 3's dWd hidden rows per block),
+    gate_cols (phase 3's dWg/dWu hidden columns per block)."""
 
-    Returns a dict: i_block_tiles (phase 1), dx_rows/dx_cols (phase 2), down_rows (phase 3's
-    dWd hidden rows per block), gate_cols (phase 3's dWg/dWu hidden columns per block).
-    """
+    def __init__(self, i_block_tiles, dx_rows, dx_cols, down_rows, gate_cols):
+        self.i_block_tiles, self.dx_rows, self.dx_cols = i_block_tiles, dx_rows, dx_cols
+        self.down_rows, self.gate_cols = down_rows, gate_cols
+
+
+def backward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
+    """The ``BackwardPlan`` for the SBUF budget (raises when nothing fits)."""
     size = itemsize(dtype)
     budget = sbuf_bytes - SBUF_RESERVE
     ib = min(MAX_I_BLOCK_TILES, ceil_div(inter, P))
@@ -437,7 +445,7 @@ def backward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
     if _phase1_bytes(hidden, tokens, ib, size) > budget or None in (dx, down, gate):
         raise ValueError(f"mlp: backward with hidden size {hidden} and intermediate size {inter} "
                          f"({dtype_name(dtype)}) does not fit the {sbuf_bytes // 1024} KiB of SBUF per partition")
-    return {"i_block_tiles": ib, "dx_rows": dx[0], "dx_cols": dx[1], "down_rows": down[0], "gate_cols": gate[1]}
+    return BackwardPlan(ib, dx[0], dx[1], down[0], gate[1])
 
 
 def _activation_and_grad(gate, rows, cols, activation, columns):
@@ -474,89 +482,187 @@ def _activation_and_grad(gate, rows, cols, activation, columns):
     return act, grad
 
 
-def _transpose_tokens_to_scratch(dy, dy_t, token_tile, hidden, dtype, engines):
-    """dy_t[b, p, k, t] = dy[b * token_tile + t, k * 128 + p]: dy^T, token tile by token tile."""
-    tokens = dy.shape[0]
-    for b, (t0, tsz) in enumerate(tiles(tokens, token_tile)):
-        buf = nl.ndarray((P, ceil_div(hidden, P), tsz), dtype, buffer=nl.sbuf)
-        _load_transposed_tokens(buf, dy, t0, tsz, hidden, dtype, engines)
-        nisa.dma_copy(dst=dy_t[b, :, :, :tsz], src=buf)
+class _Backward(nl.NKIObject):
+    """The backward's operands, sizes and plan, and the kernel-private HBM scratch its phases pass the
+    [T, I] gradients through: dy^T (``dy_t``), dg^T/du^T (``dgu_t``, intermediate-major, for dx) and
+    a, dg, du token-major (``grad_rows``, for the weight gradients)."""
 
+    def __init__(self, dy, x, w_gate, w_up, w_down, saved, activation, plan, evictions):
+        self.dy, self.x, self.w_gate, self.w_up, self.w_down, self.saved = dy, x, w_gate, w_up, w_down, saved
+        self.activation, self.plan, self.evictions, self.dtype = activation, plan, evictions, x.dtype
+        (self.tokens, self.hidden), self.inter = x.shape, w_down.shape[1]
+        token_tiles, h_tiles, i_tiles = saved.shape[0], ceil_div(self.hidden, P), ceil_div(self.inter, P)
+        self.token_tile, ib = saved.shape[4], plan.i_block_tiles
+        self.dy_t = nl.ndarray((token_tiles, P, h_tiles, self.token_tile), self.dtype, buffer=nl.hbm)
+        self.dgu_t = nl.ndarray((token_tiles, P, 2 * i_tiles, self.token_tile), self.dtype, buffer=nl.hbm)
+        self.grad_rows = nl.ndarray((3, ceil_div(i_tiles, ib), P, ceil_div(self.tokens, P), min(self.inter, ib * P)),
+                                    self.dtype, buffer=nl.hbm)
 
-def _intermediate_grads(dy_t, saved, w_down, dgu_t, grad_rows, i_block_tiles, tokens, hidden, inter, activation,
-                        dtype, engines):
-    """Phase 1: da^T = Wd^T dy^T per intermediate block and token tile, and from it (with the saved
-    gate/up) dg = da * u * act'(g), du = da * act(g), a = act(g) * u. dg^T, du^T go to ``dgu_t``
-    (intermediate-major, for dx); a, dg, du transposed to token-major go to ``grad_rows`` (for the
-    weight gradients).
+    def transpose_dy(self):
+        """Phase 0: dy_t[b, p, k, t] = dy[b * token_tile + t, k * 128 + p], token tile by token tile."""
+        for b, (t0, tsz) in enumerate(tiles(self.tokens, self.token_tile)):
+            buf = nl.ndarray((P, ceil_div(self.hidden, P), tsz), self.dtype, buffer=nl.sbuf)
+            _load_transposed_tokens(buf, self.dy, t0, tsz, self.hidden, self.dtype, self.evictions)
+            nisa.dma_copy(dst=self.dy_t[b, :, :, :tsz], src=buf)
 
-    Pipelining: the down-weight block is double-buffered (the next block loads while this one
-    is used); each step's token-tile loads are issued one step ahead; a tile's transposes are
-    issued after the next tile's matmuls, so TensorE never waits for the element-wise chain."""
-    token_tile = saved.shape[4]
-    i_tiles = list(tiles(inter, P))
-    h_tiles = list(tiles(hidden, P))
-    blocks = [i_tiles[k:k + i_block_tiles] for k in range(0, len(i_tiles), i_block_tiles)]
-    token_tiles = list(tiles(tokens, token_tile))
-    steps = [(ib, b) for ib in range(len(blocks)) for b in range(len(token_tiles))]
-    width = min(inter, i_block_tiles * P)
-    w_d = [nl.ndarray((P, len(h_tiles), width), dtype, buffer=nl.sbuf) for _ in range(min(2, len(blocks)))]
-    columns = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)  # ScalarE bias constant 1.0
-    nisa.memset(dst=columns, value=1.0)
+    def intermediate_grads(self):
+        """Phase 1: da^T = Wd^T dy^T per intermediate block and token tile, and from it (with the saved
+        gate/up) dg = da * u * act'(g), du = da * act(g), a = act(g) * u. dg^T, du^T go to ``dgu_t``
+        (intermediate-major, for dx); a, dg, du transposed to token-major go to ``grad_rows`` (for the
+        weight gradients).
 
-    def load_block(ib, part=0, parts=1):
-        """Rows [part/parts] of block ib's down-weight columns (a block loads in slices, one per
-        step of the block before it, so its DMA shares bandwidth with those steps' loads)."""
-        c0 = blocks[ib][0][0]
-        cols = blocks[ib][-1][0] + blocks[ib][-1][1] - c0
-        per = ceil_div(len(h_tiles), parts)
-        for k, (r0, rows) in enumerate(h_tiles[part * per:(part + 1) * per], start=part * per):
-            nisa.dma_copy(dst=w_d[ib % 2][:rows, k, :cols], src=w_down[r0:r0 + rows, c0:c0 + cols])
+        Pipelining: the down-weight block is double-buffered (the next block loads while this one
+        is used); each step's token-tile loads are issued one step ahead; a tile's transposes are
+        issued after the next tile's matmuls, so TensorE never waits for the element-wise chain."""
+        dy_t, saved, w_down, dgu_t, grad_rows = self.dy_t, self.saved, self.w_down, self.dgu_t, self.grad_rows
+        i_block_tiles, tokens, hidden, inter = self.plan.i_block_tiles, self.tokens, self.hidden, self.inter
+        activation, dtype, evictions = self.activation, self.dtype, self.evictions
+        token_tile = saved.shape[4]
+        i_tiles = list(tiles(inter, P))
+        h_tiles = list(tiles(hidden, P))
+        blocks = [i_tiles[k:k + i_block_tiles] for k in range(0, len(i_tiles), i_block_tiles)]
+        token_tiles = list(tiles(tokens, token_tile))
+        steps = [(ib, b) for ib in range(len(blocks)) for b in range(len(token_tiles))]
+        width = min(inter, i_block_tiles * P)
+        w_d = [nl.ndarray((P, len(h_tiles), width), dtype, buffer=nl.sbuf) for _ in range(min(2, len(blocks)))]
+        columns = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)  # ScalarE bias constant 1.0
+        nisa.memset(dst=columns, value=1.0)
 
-    def load_step(ib, b):
-        tsz, it0, nbt = token_tiles[b][1], ib * i_block_tiles, len(blocks[ib])
-        dyt = nl.ndarray((P, len(h_tiles), tsz), dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=dyt, src=dy_t[b, :, :, :tsz])
-        gate_up = nl.ndarray((P, 2, nbt, tsz), dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=gate_up, src=saved[b, :, :, it0:it0 + nbt, :tsz])
-        return dyt, gate_up
+        def load_block(ib, part=0, parts=1):
+            """Rows [part/parts] of block ib's down-weight columns (a block loads in slices, one per
+            step of the block before it, so its DMA shares bandwidth with those steps' loads)."""
+            c0 = blocks[ib][0][0]
+            cols = blocks[ib][-1][0] + blocks[ib][-1][1] - c0
+            per = ceil_div(len(h_tiles), parts)
+            for k, (r0, rows) in enumerate(h_tiles[part * per:(part + 1) * per], start=part * per):
+                nisa.dma_copy(dst=w_d[ib % 2][:rows, k, :cols], src=w_down[r0:r0 + rows, c0:c0 + cols])
 
-    load_block(0)
-    loaded = load_step(*steps[0])
-    # Deferred TensorE transposes (and the stores that follow them): a tile's go after the matmuls of
-    # the tile PIPELINE_DEPTH places later, so the element-wise chain between has time to finish.
-    depth = min(PIPELINE_DEPTH, i_block_tiles)
-    pending = []
-    for s, (ib, b) in enumerate(steps):
-        if ib + 1 < len(blocks):
-            load_block(ib + 1, b, len(token_tiles))
-        dyt, gate_up = loaded
-        if s + 1 < len(steps):
-            loaded = load_step(*steps[s + 1])
-        block, (t0, tsz) = blocks[ib], token_tiles[b]
-        it0, nbt = ib * i_block_tiles, len(block)
-        cols = block[-1][0] + block[-1][1] - block[0][0]
-        grads_t = nl.ndarray((P, 2, nbt, tsz), dtype, buffer=nl.sbuf)  # dg^T, du^T
-        rows = nl.ndarray((P, 3, ceil_div(tsz, P), cols), dtype, buffer=nl.sbuf)  # a, dg, du token-major
-        for j, (i0, isz) in enumerate(block):
-            d_act = nl.ndarray((isz, tsz), nl.float32, buffer=nl.psum)
-            for k, (h0, hsz) in enumerate(h_tiles):
-                nisa.nc_matmul(dst=d_act, stationary=w_d[ib % 2][:hsz, k, j * P:j * P + isz], moving=dyt[:hsz, k, :])
-            while len(pending) >= depth:
-                _run(pending.pop(0))
-            a = _elementwise_grads(d_act, gate_up[:isz, 0, j, :], gate_up[:isz, 1, j, :],
-                                   grads_t[:isz, 0, j, :], grads_t[:isz, 1, j, :], isz, tsz, activation, dtype, columns)
-            sources = (a, grads_t[:isz, 0, j, :], grads_t[:isz, 1, j, :])
-            pending.append([(_transpose_rows_into, (rows[:, kind, :, j * P:j * P + isz], src, isz, tsz, dtype, engines))
-                            for kind, src in enumerate(sources)])
-        i_total, r0 = len(i_tiles), t0 // P
-        pending[-1] += [
-            (nisa.dma_copy, (dgu_t[b, :, it0:it0 + nbt, :tsz], grads_t[:, 0, :, :])),
-            (nisa.dma_copy, (dgu_t[b, :, i_total + it0:i_total + it0 + nbt, :tsz], grads_t[:, 1, :, :])),
-            (nisa.dma_copy, (grad_rows[:, ib, :, r0:r0 + ceil_div(tsz, P), :cols].permute(1, 0, 2, 3), rows)),
-        ]
-    for group in pending:
-        _run(group)
+        def load_step(ib, b):
+            tsz, it0, nbt = token_tiles[b][1], ib * i_block_tiles, len(blocks[ib])
+            dyt = nl.ndarray((P, len(h_tiles), tsz), dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=dyt, src=dy_t[b, :, :, :tsz])
+            gate_up = nl.ndarray((P, 2, nbt, tsz), dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=gate_up, src=saved[b, :, :, it0:it0 + nbt, :tsz])
+            return dyt, gate_up
+
+        load_block(0)
+        loaded = load_step(*steps[0])
+        # Deferred TensorE transposes (and the stores that follow them): a tile's go after the matmuls of
+        # the tile PIPELINE_DEPTH places later, so the element-wise chain between has time to finish.
+        depth = min(PIPELINE_DEPTH, i_block_tiles)
+        pending = []
+        for s, (ib, b) in enumerate(steps):
+            if ib + 1 < len(blocks):
+                load_block(ib + 1, b, len(token_tiles))
+            dyt, gate_up = loaded
+            if s + 1 < len(steps):
+                loaded = load_step(*steps[s + 1])
+            block, (t0, tsz) = blocks[ib], token_tiles[b]
+            it0, nbt = ib * i_block_tiles, len(block)
+            cols = block[-1][0] + block[-1][1] - block[0][0]
+            grads_t = nl.ndarray((P, 2, nbt, tsz), dtype, buffer=nl.sbuf)  # dg^T, du^T
+            rows = nl.ndarray((P, 3, ceil_div(tsz, P), cols), dtype, buffer=nl.sbuf)  # a, dg, du token-major
+            for j, (i0, isz) in enumerate(block):
+                d_act = nl.ndarray((isz, tsz), nl.float32, buffer=nl.psum)
+                for k, (h0, hsz) in enumerate(h_tiles):
+                    nisa.nc_matmul(dst=d_act, stationary=w_d[ib % 2][:hsz, k, j * P:j * P + isz], moving=dyt[:hsz, k, :])
+                while len(pending) >= depth:
+                    _run(pending.pop(0))
+                a = _elementwise_grads(d_act, gate_up[:isz, 0, j, :], gate_up[:isz, 1, j, :],
+                                       grads_t[:isz, 0, j, :], grads_t[:isz, 1, j, :], isz, tsz, activation, dtype, columns)
+                sources = (a, grads_t[:isz, 0, j, :], grads_t[:isz, 1, j, :])
+                pending.append([(_transpose_rows_into, (rows[:, kind, :, j * P:j * P + isz], src, isz, tsz, dtype, evictions))
+                                for kind, src in enumerate(sources)])
+            i_total, r0 = len(i_tiles), t0 // P
+            pending[-1] += [
+                (nisa.dma_copy, (dgu_t[b, :, it0:it0 + nbt, :tsz], grads_t[:, 0, :, :])),
+                (nisa.dma_copy, (dgu_t[b, :, i_total + it0:i_total + it0 + nbt, :tsz], grads_t[:, 1, :, :])),
+                (nisa.dma_copy, (grad_rows[:, ib, :, r0:r0 + ceil_div(tsz, P), :cols].permute(1, 0, 2, 3), rows)),
+            ]
+        for group in pending:
+            _run(group)
+
+    def input_grad(self, dx):
+        """Phase 2: dx = dg Wg + du Wu, contracting over the 2I intermediate rows (dg^T, du^T from phase 1)."""
+        dgu_t, w_gate, w_up, plan = self.dgu_t, self.w_gate, self.w_up, self.plan
+        tokens, hidden, inter, dtype, evictions = self.tokens, self.hidden, self.inter, self.dtype, self.evictions
+        token_tile = dgu_t.shape[3]
+        i_tiles = list(tiles(inter, P))
+        k_src = [(w_gate, i0, isz) for i0, isz in i_tiles] + [(w_up, i0, isz) for i0, isz in i_tiles]
+        k_tiles = [isz for _, _, isz in k_src]
+        m_blocks = [_output_rows(m0, rows) for m0, rows in tiles(tokens, plan.dx_rows)]
+
+        def load_lhs(mb, k0, nk, into):
+            m0 = mb[0].row
+            rows = _panel_columns(mb)
+            out = nl.ndarray((P, nk, rows), dtype, buffer=nl.sbuf)
+            for t0, tsz in tiles(rows, token_tile):
+                nisa.dma_copy(dst=out[:, :, t0:t0 + tsz], src=dgu_t[(m0 + t0) // token_tile, :, k0:k0 + nk, :tsz])
+            return out
+
+        def load_rhs(nb, k0, nk, into):
+            n0, ncols = nb
+            out = nl.ndarray((P, nk, ncols), dtype, buffer=nl.sbuf)
+            for kk in range(nk):
+                weight, r0, ksz = k_src[k0 + kk]
+                nisa.dma_copy(dst=out[:ksz, kk, :], src=weight[r0:r0 + ksz, n0:n0 + ncols])
+            return out
+
+        def store(rows, nb, tile):
+            nisa.dma_copy(dst=dx[rows.row:rows.row + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
+
+        _gemm_tn(k_tiles, m_blocks, list(tiles(hidden, plan.dx_cols)), load_lhs, load_rhs, store, DX_K_TILES, None,
+                 dtype, evictions)
+
+    def weight_grads(self, dw_gate, dw_up, dw_down):
+        """Phase 3: dWd = dy^T a, dWg = dg^T x, dWu = du^T x, contracting over tokens."""
+        dy, x, grad_rows, plan = self.dy, self.x, self.grad_rows, self.plan
+        tokens, hidden, inter = self.tokens, self.hidden, self.inter
+        dtype, evictions = self.dtype, self.evictions
+        k_tiles = [size for _, size in tiles(tokens, P)]
+        nk = min(TOKEN_K_TILES, len(k_tiles))
+        ib_cols = plan.i_block_tiles * P
+        i_blocks = list(tiles(inter, ib_cols))
+
+        # dWd [H, I]: rows are hidden (dy's columns), columns the intermediate blocks (a, token-major).
+        down_rows = plan.down_rows
+        h_blocks = [_output_rows(m0, rows) for m0, rows in tiles(hidden, down_rows)]
+
+        def load_dy(mb, k0, n, into):
+            into = into if into is not None else nl.ndarray((P, n, down_rows), dtype, buffer=nl.sbuf)
+            return _load_token_major(dy, tokens, mb[0].row, _panel_columns(mb), k0, n, into)
+
+        def load_a(nb, k0, n, into):
+            c0, cols = nb
+            out = into if into is not None else nl.ndarray((P, n, cols), dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=out[:, :n, :cols], src=grad_rows[0, c0 // ib_cols, :, k0:k0 + n, :cols])
+            return out
+
+        def store_down(rows, nb, tile):
+            nisa.dma_copy(dst=dw_down[rows.row:rows.row + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
+
+        _gemm_tn(k_tiles, h_blocks, i_blocks, load_dy, load_a, store_down, nk, "lhs", dtype, evictions)
+
+        # dWg, dWu [I, H]: rows are intermediate blocks (dg or du, token-major), columns hidden blocks of x.
+        gate_cols = plan.gate_cols
+        g_blocks = [_output_rows(c0, cols, target=target, kind=kind, block=ib)
+                    for kind, target in ((1, dw_gate), (2, dw_up)) for ib, (c0, cols) in enumerate(i_blocks)]
+
+        def load_grad(mb, k0, n, into):
+            cols = _panel_columns(mb)
+            out = into if into is not None else nl.ndarray((P, n, cols), dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=out[:, :n, :cols], src=grad_rows[mb[0].kind, mb[0].block, :, k0:k0 + n, :cols])
+            return out
+
+        def load_x(nb, k0, n, into):
+            into = into if into is not None else nl.ndarray((P, n, gate_cols), dtype, buffer=nl.sbuf)
+            return _load_token_major(x, tokens, nb[0], nb[1], k0, n, into)
+
+        def store_gate_up(rows, nb, tile):
+            nisa.dma_copy(dst=rows.target[rows.row:rows.row + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
+
+        _gemm_tn(k_tiles, g_blocks, list(tiles(hidden, gate_cols)), load_grad, load_x, store_gate_up, nk, "rhs",
+                 dtype, evictions)
 
 
 def _run(pending):
@@ -579,15 +685,34 @@ def _elementwise_grads(d_act, gate, up, d_gate_out, d_up_out, rows, cols, activa
     return a
 
 
-def _gemm_tn(k_tiles, m_blocks, n_blocks, load_lhs, load_rhs, store, k_group, cache, dtype, engines):
+class _OutputRows(nl.NKIObject):
+    """Up to 128 output rows of a GEMM block: columns [col, col + rows) of the block's lhs panel, which
+    go to row ``row`` of the output (of ``target``, when the GEMM fills several; ``kind`` and ``block``
+    name the lhs source they come from)."""
+
+    def __init__(self, col, rows, row, target=None, kind=None, block=None):
+        self.col, self.rows, self.row = col, rows, row
+        self.target, self.kind, self.block = target, kind, block
+
+
+def _output_rows(row0, rows, **where):
+    """``_OutputRows`` of a block of ``rows`` output rows from ``row0``, 128 at a time."""
+    return [_OutputRows(c0, c, row0 + c0, **where) for c0, c in tiles(rows, P)]
+
+
+def _panel_columns(m_block):
+    return m_block[-1].col + m_block[-1].rows
+
+
+def _gemm_tn(k_tiles, m_blocks, n_blocks, load_lhs, load_rhs, store, k_group, cache, dtype, evictions):
     """out[m, n] = sum_k lhs_t[k, m] rhs[k, n], contraction on partitions, in blocks.
 
     k_tiles: sizes of the contraction tiles (rows on partitions, <= 128 each).
-    m_blocks: blocks of output rows; each a list of (column in the lhs panel, rows, tag).
+    m_blocks: blocks of output rows; each a list of ``_OutputRows``.
     n_blocks: (n0, ncols) blocks of output columns.
     load_lhs(m_block, k0, nk, into) -> SBUF [P, nk, >= panel columns]; load_rhs(n_block, k0, nk, into)
     -> [P, nk, >= ncols]; ``into`` is a buffer to reuse, or None for a fresh one.
-    store(tag, n_block, tile) with tile [rows, ncols] in ``dtype``.
+    store(output_rows, n_block, tile) with tile [rows, ncols] in ``dtype``.
     k_group: contraction tiles per block; the partial sums of several blocks add up in fp32 SBUF.
     cache: "lhs" (m-blocks outer, each m-block's panel loaded once) or "rhs" (n-blocks outer),
     when one k group covers the whole contraction; the cached panel lives in one reused buffer.
@@ -626,7 +751,8 @@ def _gemm_tn(k_tiles, m_blocks, n_blocks, load_lhs, load_rhs, store, k_group, ca
         rhs = panel if cache == "rhs" else rhs
         n_cols = nb[1]
         last = g == len(groups) - 1
-        for j, (col, rows, tag) in enumerate(mb):
+        for j, part in enumerate(mb):
+            col, rows = part.col, part.rows
             out_tile = nl.ndarray((rows, n_cols), dtype, buffer=nl.sbuf) if last else None
             for n0, nsz in tiles(n_cols, TOKEN_TILE):
                 ps = nl.ndarray((rows, nsz), nl.float32, buffer=nl.psum)
@@ -634,14 +760,14 @@ def _gemm_tn(k_tiles, m_blocks, n_blocks, load_lhs, load_rhs, store, k_group, ca
                     ksz = k_tiles[k0 + kk]
                     nisa.nc_matmul(dst=ps, stationary=lhs[:ksz, kk, col:col + rows], moving=rhs[:ksz, kk, n0:n0 + nsz])
                 if single:
-                    _evict(out_tile[:, n0:n0 + nsz], ps, engines.next())
+                    evictions.evict(out_tile[:, n0:n0 + nsz], ps)
                 elif g == 0:
-                    _evict(acc[:rows, j, n0:n0 + nsz], ps, engines.next())
+                    evictions.evict(acc[:rows, j, n0:n0 + nsz], ps)
                 else:
                     target = out_tile[:, n0:n0 + nsz] if last else acc[:rows, j, n0:n0 + nsz]
                     nisa.tensor_tensor(dst=target, data1=ps, data2=acc[:rows, j, n0:n0 + nsz], op=nl.add)
             if last:
-                store(tag, nb, out_tile)
+                store(part, nb, out_tile)
 
 
 def _load_token_major(src, tokens, c0, cols, k0, nk, out):
@@ -655,88 +781,6 @@ def _load_token_major(src, tokens, c0, cols, k0, nk, out):
         rest = tokens - (t0 + full * P)
         nisa.dma_copy(dst=out[:rest, full, :cols], src=src[t0 + full * P:tokens, c0:c0 + cols])
     return out
-
-
-def _weight_grads(dy, x, grad_rows, dw_gate, dw_up, dw_down, plan, tokens, hidden, inter, dtype, engines):
-    """Phase 3: dWd = dy^T a, dWg = dg^T x, dWu = du^T x, contracting over tokens."""
-    k_tiles = [size for _, size in tiles(tokens, P)]
-    nk = min(TOKEN_K_TILES, len(k_tiles))
-    ib_cols = plan["i_block_tiles"] * P
-    i_blocks = list(tiles(inter, ib_cols))
-
-    # dWd [H, I]: rows are hidden (dy's columns), columns the intermediate blocks (a, token-major).
-    down_rows = plan["down_rows"]
-    h_blocks = [[(c0, c, m0 + c0) for c0, c in tiles(rows, P)] for m0, rows in tiles(hidden, down_rows)]
-
-    def load_dy(mb, k0, n, into):
-        cols = mb[-1][0] + mb[-1][1]
-        into = into if into is not None else nl.ndarray((P, n, down_rows), dtype, buffer=nl.sbuf)
-        return _load_token_major(dy, tokens, mb[0][2], cols, k0, n, into)
-
-    def load_a(nb, k0, n, into):
-        c0, cols = nb
-        out = into if into is not None else nl.ndarray((P, n, cols), dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=out[:, :n, :cols], src=grad_rows[0, c0 // ib_cols, :, k0:k0 + n, :cols])
-        return out
-
-    def store_down(m0, nb, tile):
-        nisa.dma_copy(dst=dw_down[m0:m0 + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
-
-    _gemm_tn(k_tiles, h_blocks, i_blocks, load_dy, load_a, store_down, nk, "lhs", dtype, engines)
-
-    # dWg, dWu [I, H]: rows are intermediate blocks (dg or du, token-major), columns hidden blocks of x.
-    gate_cols = plan["gate_cols"]
-    g_blocks = [[(cc, c, (target, kind, ib, c0 + cc)) for cc, c in tiles(cols, P)]
-                for kind, target in ((1, dw_gate), (2, dw_up)) for ib, (c0, cols) in enumerate(i_blocks)]
-
-    def load_grad(mb, k0, n, into):
-        _, kind, ib, _ = mb[0][2]
-        cols = mb[-1][0] + mb[-1][1]
-        out = into if into is not None else nl.ndarray((P, n, cols), dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=out[:, :n, :cols], src=grad_rows[kind, ib, :, k0:k0 + n, :cols])
-        return out
-
-    def load_x(nb, k0, n, into):
-        into = into if into is not None else nl.ndarray((P, n, gate_cols), dtype, buffer=nl.sbuf)
-        return _load_token_major(x, tokens, nb[0], nb[1], k0, n, into)
-
-    def store_gate_up(tag, nb, tile):
-        target, _, _, r0 = tag
-        nisa.dma_copy(dst=target[r0:r0 + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
-
-    _gemm_tn(k_tiles, g_blocks, list(tiles(hidden, gate_cols)), load_grad, load_x, store_gate_up, nk, "rhs",
-             dtype, engines)
-
-
-def _input_grad(dgu_t, w_gate, w_up, dx, plan, tokens, hidden, inter, dtype, engines):
-    """Phase 2: dx = dg Wg + du Wu, contracting over the 2I intermediate rows (dg^T, du^T from phase 1)."""
-    token_tile = dgu_t.shape[3]
-    i_tiles = list(tiles(inter, P))
-    k_src = [(w_gate, i0, isz) for i0, isz in i_tiles] + [(w_up, i0, isz) for i0, isz in i_tiles]
-    k_tiles = [isz for _, _, isz in k_src]
-    m_blocks = [[(c0, c, m0 + c0) for c0, c in tiles(rows, P)] for m0, rows in tiles(tokens, plan["dx_rows"])]
-
-    def load_lhs(mb, k0, nk, into):
-        m0 = mb[0][2]
-        rows = mb[-1][0] + mb[-1][1]
-        out = nl.ndarray((P, nk, rows), dtype, buffer=nl.sbuf)
-        for t0, tsz in tiles(rows, token_tile):
-            nisa.dma_copy(dst=out[:, :, t0:t0 + tsz], src=dgu_t[(m0 + t0) // token_tile, :, k0:k0 + nk, :tsz])
-        return out
-
-    def load_rhs(nb, k0, nk, into):
-        n0, ncols = nb
-        out = nl.ndarray((P, nk, ncols), dtype, buffer=nl.sbuf)
-        for kk in range(nk):
-            weight, r0, ksz = k_src[k0 + kk]
-            nisa.dma_copy(dst=out[:ksz, kk, :], src=weight[r0:r0 + ksz, n0:n0 + ncols])
-        return out
-
-    def store(m0, nb, tile):
-        nisa.dma_copy(dst=dx[m0:m0 + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
-
-    _gemm_tn(k_tiles, m_blocks, list(tiles(hidden, plan["dx_cols"])), load_lhs, load_rhs, store, DX_K_TILES, None,
-             dtype, engines)
 
 
 @nki.jit
@@ -794,18 +838,11 @@ def mlp_bwd(dy, x, w_gate, w_up, w_down, saved, activation):
         dwg, dwu = dw_gate[:inter, :], dw_gate[inter:, :]
     else:
         dwg, dwu = dw_gate, dw_up
-    token_tile = saved.shape[4]
-    n_token_tiles, h_tiles, i_tiles = saved.shape[0], ceil_div(hidden, P), ceil_div(inter, P)
-    ib = plan["i_block_tiles"]
-    dy_t = nl.ndarray((n_token_tiles, P, h_tiles, token_tile), dtype, buffer=nl.hbm)
-    dgu_t = nl.ndarray((n_token_tiles, P, 2 * i_tiles, token_tile), dtype, buffer=nl.hbm)
-    grad_rows = nl.ndarray((3, ceil_div(i_tiles, ib), P, ceil_div(tokens, P), min(inter, ib * P)), dtype,
-                           buffer=nl.hbm)
-    engines = _Alternator()
-    _transpose_tokens_to_scratch(dy, dy_t, token_tile, hidden, dtype, engines)
-    _intermediate_grads(dy_t, saved, w_down, dgu_t, grad_rows, ib, tokens, hidden, inter, activation, dtype, engines)
-    _input_grad(dgu_t, w_gate, w_up, dx, plan, tokens, hidden, inter, dtype, engines)
-    _weight_grads(dy, x, grad_rows, dwg, dwu, dw_down, plan, tokens, hidden, inter, dtype, engines)
+    backward = _Backward(dy, x, w_gate, w_up, w_down, saved, activation, plan, _Evictions())
+    backward.transpose_dy()
+    backward.intermediate_grads()
+    backward.input_grad(dx)
+    backward.weight_grads(dwg, dwu, dw_down)
     if fused:
         return dx, dw_gate, dw_down
     return dx, dw_gate, dw_up, dw_down

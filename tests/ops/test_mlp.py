@@ -129,8 +129,9 @@ def test_multi_part_forward_and_small_backward_blocks(monkeypatch):
     kernels = mlp_op._kernels
     real_forward_plan, real_backward_plan = kernels.forward_plan, kernels.backward_plan
     monkeypatch.setattr(kernels, "forward_plan", lambda *a: (min(256, a[0]), 1))
-    monkeypatch.setattr(kernels, "backward_plan", lambda *a: {"i_block_tiles": 1, "dx_rows": 256, "dx_cols": 128,
-                                                              "down_rows": 128, "gate_cols": 256})
+    monkeypatch.setattr(kernels, "backward_plan", lambda *a: kernels.BackwardPlan(i_block_tiles=1, dx_rows=256,
+                                                                                  dx_cols=128, down_rows=128,
+                                                                                  gate_cols=256))
     monkeypatch.setattr(kernels, "TOKEN_K_TILES", 2)
     monkeypatch.setattr(kernels, "DX_K_TILES", 2)
     args = _inputs((600, 200, 330), torch.float32, seed=5)
@@ -145,7 +146,7 @@ def test_multi_part_forward_and_small_backward_blocks(monkeypatch):
     assert any(i.op == "dma_copy" and any(o.role == "dst" and o.buffer == "hbm" for o in i.operands)
                for i in forward.instructions)
     assert real_forward_plan(600, 200, 330, "float32", 224 * 1024) == (600, 3)  # unpatched: one part
-    assert real_backward_plan(600, 200, 330, "float32", 224 * 1024)["i_block_tiles"] == 3
+    assert real_backward_plan(600, 200, 330, "float32", 224 * 1024).i_block_tiles == 3
 
 
 def _hbm_bytes_written(trace):
