@@ -8,16 +8,16 @@ the run's trace.
 
 from __future__ import annotations
 
-import enum
-import functools
 from typing import Any, Sequence
 
 import numpy as np
 
-from . import dtypes, runtime
-from .errors import NkiValidationError, rule
+from . import dtypes, operands, runtime
+from .enums import (dge_mode, dma_engine, engine, gpsimd_engine, matmul_perf_mode, nc_version, oob_mode,  # noqa: F401
+                    reduce_cmd, scalar_engine, tensor_engine, unknown_engine, vector_engine)  # (nisa.vector_engine ...)
+from .errors import NkiValidationError, rule, unsupported
 from .ops import ALL as _OPS, BYPASS, Op, as_activation, as_alu
-from .tensor import Tensor, unsupported
+from .tensor import Tensor
 
 __all__ = [
     "engine", "reduce_cmd", "dge_mode", "oob_mode", "matmul_perf_mode", "nc_version", "dma_engine",
@@ -33,200 +33,13 @@ __all__ = [
 ]
 
 
-class _NkiEnum(enum.Enum):
-    """An NKI enum that also accepts its member's name (any case) or declaration index."""
-
-    @classmethod
-    def _missing_(cls, value: object):
-        members = list(cls)
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(members):
-            return members[value]
-        if isinstance(value, str):
-            for member in members:
-                if member.name == value.lower():
-                    return member
-        return None
-
-
-class engine(_NkiEnum):
-    tensor = "tensor"
-    vector = "vector"
-    scalar = "scalar"
-    gpsimd = "gpsimd"
-    dma = "dma"
-    sync = "sync"
-    unknown = "unknown"
-
-
-tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
-    engine.tensor, engine.vector, engine.scalar, engine.gpsimd, engine.unknown)
-
-
-class reduce_cmd(_NkiEnum):
-    idle = "idle"
-    reset = "reset"
-    reduce = "reduce"
-    reset_reduce = "reset_reduce"
-    load_reduce = "load_reduce"
-
-
-class dge_mode(_NkiEnum):
-    unknown = "unknown"
-    swdge = "swdge"
-    hwdge = "hwdge"
-    none = "none"
-
-
-class oob_mode(_NkiEnum):
-    error = "error"
-    skip = "skip"
-
-
-class matmul_perf_mode(_NkiEnum):
-    none = "none"
-    double_row = "double_row"
-
-
-@functools.total_ordering
-class nc_version(_NkiEnum):
-    gen2 = "gen2"
-    gen3 = "gen3"
-    gen4 = "gen4"
-
-    def __lt__(self, other: object) -> bool:
-        if not isinstance(other, nc_version):
-            return NotImplemented
-        return int(self.value[3:]) < int(other.value[3:])
-
-
-class dma_engine(_NkiEnum):
-    dma = "dma"
-    gpsimd_dma = "gpsimd_dma"
-
-
 # Instruction parameters share these enums' names; inside the functions use the aliases.
 _DGE, _OOB, _CMD = dge_mode, oob_mode, reduce_cmd
-
-
-FP32_MIN = float(np.finfo(np.float32).min)
-VECTOR_FREE_MAX_SBUF = 64 * 1024  # elements per partition one VectorE/ScalarE access may span
-VECTOR_FREE_MAX_PSUM = 4 * 1024
-ACCESS_PATTERN_MAX_FREE_DIMS = 4
-BN_STATS_FMAX = 512
-MAX8_MIN, MAX8_MAX = 8, 16384
-PE_ARRAY = 128
-VECTOR_TRANSPOSE_MAX = 32
 
 
 def get_nc_version() -> nc_version:
     """The NeuronCore generation of the running kernel's target."""
     return nc_version(runtime.current().target.nc_version)
-
-
-# ---------------------------------------------------------------------------------------------
-# operand checks
-# ---------------------------------------------------------------------------------------------
-def _tile(x: Any, instr: str, role: str) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise rule(instr, role, f"expected an NKI tensor, got {type(x).__name__}")
-    if x._indirect is not None and instr not in ("nisa.dma_copy", "nisa.dma_transpose"):
-        raise rule(instr, role, "indirect (vector_offset) access patterns are only for DMA instructions")
-    return x
-
-
-def _where(t: Tensor, instr: str, role: str, allowed: Sequence[str]) -> None:
-    kind = "hbm" if t.buffer in runtime.HBM_KINDS else t.buffer
-    if kind not in allowed:
-        raise rule(instr, role, f"must be in {'/'.join(a.upper() for a in allowed)}, not {t.buffer.upper()}")
-
-
-def _compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str] = ("sbuf", "psum")) -> Tensor:
-    """Checks for an operand a compute engine reads or writes."""
-    t = _tile(t, instr, role)
-    _where(t, instr, role, allowed)
-    if eng == "gpsimd" and t.buffer == "psum":
-        raise rule(instr, role, "the GpSimd engine cannot access PSUM")
-    parts = t.partition_size
-    if parts > PE_ARRAY:  # every generation has 128 partitions
-        raise rule(instr, role, "partition dim exceeds the partition count", partitions=parts, limit=PE_ARRAY)
-    start = t.start_partition
-    if parts > 64 and start != 0:
-        raise rule(instr, role, "an access over more than 64 partitions must start at partition 0",
-                   start_partition=start, partitions=parts)
-    if 32 < parts <= 64 and start not in (0, 64):
-        raise rule(instr, role, "an access over 33-64 partitions must start at partition 0 or 64",
-                   start_partition=start, partitions=parts)
-    if parts <= 32 and start % 32 and start // 32 != (start + parts - 1) // 32:
-        raise rule(instr, role, "an access over at most 32 partitions must stay within one 32-partition quadrant",
-                   start_partition=start, partitions=parts)
-    limit = VECTOR_FREE_MAX_PSUM if t.buffer == "psum" else VECTOR_FREE_MAX_SBUF
-    if eng in ("vector", "scalar", "gpsimd") and t.free_size > limit:
-        raise rule(instr, role, f"free size exceeds the {t.buffer.upper()} per-instruction limit",
-                   free_elements=t.free_size, limit=limit)
-    dims = _free_pattern_dims(t) if t.ndim > ACCESS_PATTERN_MAX_FREE_DIMS + 1 else 0
-    if dims > ACCESS_PATTERN_MAX_FREE_DIMS:
-        raise rule(instr, role, "access pattern has too many free dimensions",
-                   free_dims=dims, limit=ACCESS_PATTERN_MAX_FREE_DIMS)
-    return t
-
-
-def _free_pattern_dims(t: Tensor) -> int:
-    """Free dims of the access pattern after merging dims that are contiguous with each other."""
-    shape, strides = t._view.shape[1:], t._view.strides[1:]
-    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
-    merged = 0
-    for i, (n, s) in enumerate(dims):
-        if i + 1 < len(dims) and s == dims[i + 1][0] * dims[i + 1][1]:
-            continue
-        merged += 1
-    return merged
-
-
-def _same_layout(instr: str, a_role: str, a: Tensor, b_role: str, b: Tensor) -> None:
-    if a.partition_size != b.partition_size or a.free_size != b.free_size:
-        raise rule(instr, f"{a_role}/{b_role}", "must have the same partitions and elements per partition",
-                   **{a_role: list(a.shape), b_role: list(b.shape)})
-
-
-def _not_both_psum(instr: str, a_role: str, a: Any, b_role: str, b: Any) -> None:
-    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.buffer == "psum" and b.buffer == "psum":
-        raise rule(instr, f"{a_role}/{b_role}", "cannot both be in PSUM")
-
-
-def _rows(t: Tensor) -> np.ndarray:
-    """Values widened to fp32 (ints to int64), shaped [partitions, free]."""
-    values = dtypes.to_engine(np.asarray(t.read()))
-    return values.reshape(t.partition_size, -1) if t.on_chip else values.reshape(1, -1)
-
-
-def _scalar_or_vector(x: Any, instr: str, role: str, parts: int, eng: str) -> np.ndarray | float:
-    """A compile-time scalar, or a [P, 1] tile broadcast along the free dim."""
-    if isinstance(x, Tensor):
-        _compute_tile(x, instr, role, eng)
-        if x.partition_size != parts or x.free_size != 1:
-            raise rule(instr, role, "a vector operand must have shape (partitions, 1)",
-                       shape=list(x.shape), partitions=parts)
-        return _rows(x)
-    if isinstance(x, (bool, int, float, np.integer, np.floating)):
-        return float(x)
-    raise rule(instr, role, f"expected a scalar or a (P, 1) tile, got {type(x).__name__}")
-
-
-def _engine(requested: Any, instr: str, allowed: Sequence[str], default: str) -> str:
-    name = engine(requested if requested is not None else "unknown").value
-    if name == "unknown":
-        return default
-    if name not in allowed:
-        raise rule(instr, "engine", f"{name} cannot run this instruction", allowed="/".join(allowed))
-    return name
-
-
-def _reads(**operands: Any) -> list[tuple[str, Tensor]]:
-    return [(role, t) for role, t in operands.items() if isinstance(t, Tensor)]
-
-
-def _is_int(t: Tensor) -> bool:
-    return dtypes.is_int(t.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,10 +85,10 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
     """Copy ``src`` to ``dst`` with a DMA engine (HBM or SBUF on either side), casting via fp32."""
     instr = "nisa.dma_copy"
     dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
-    dst, src = _tile(dst, instr, "dst"), _tile(src, instr, "src")
+    dst, src = operands.tile(dst, instr, "dst"), operands.tile(src, instr, "src")
     run = runtime.current()
     for role, t in (("dst", dst), ("src", src)):
-        _where(t, instr, role, ("hbm", "sbuf"))
+        operands.where(t, instr, role, ("hbm", "sbuf"))
         if t.on_chip and t.partition_size > run.target.partitions:
             raise rule(instr, role, "partition dim exceeds the partition count", partitions=t.partition_size)
     if dst.size != src.size:
@@ -309,9 +122,9 @@ def dma_transpose(dst: Tensor, src: Tensor, axes: Sequence[int] | None = None, p
     """Transpose with the DMA engine: ``(1, 0)``, ``(2, 1, 0)`` or ``(3, 1, 2, 0)`` of 2-byte data."""
     instr = "nisa.dma_transpose"
     dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
-    dst, src = _tile(dst, instr, "dst"), _tile(src, instr, "src")
-    _where(dst, instr, "dst", ("sbuf",))
-    _where(src, instr, "src", ("hbm", "sbuf"))
+    dst, src = operands.tile(dst, instr, "dst"), operands.tile(src, instr, "src")
+    operands.where(dst, instr, "dst", ("sbuf",))
+    operands.where(src, instr, "src", ("hbm", "sbuf"))
     if src.dtype != dst.dtype:
         raise rule(instr, "dst", "must have the same dtype as src", dst=dtypes.name(dst.dtype), src=dtypes.name(src.dtype))
     if dtypes.itemsize(src.dtype) != 2:
@@ -348,13 +161,13 @@ def dma_transpose(dst: Tensor, src: Tensor, axes: Sequence[int] | None = None, p
 def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:
     """Copy a tile within SBUF/PSUM on Vector, Scalar or GpSimd (bit-exact when dtypes match)."""
     instr = "nisa.tensor_copy"
-    eng = _engine(engine, instr, ("vector", "scalar", "gpsimd"), "vector")
+    eng = operands.engine_for(engine, instr, ("vector", "scalar", "gpsimd"), "vector")
     run = runtime.current()
     if eng == "scalar" and not run.target.scalar_engine_tensor_copy:
         raise rule(instr, "engine", "ScalarE has no tensor_copy on NeuronCore-v2; use activation(op=nl.copy)",
                    target=run.target.name)
-    dst, src = _compute_tile(dst, instr, "dst", eng), _compute_tile(src, instr, "src", eng)
-    _same_layout(instr, "dst", dst, "src", src)
+    dst, src = operands.compute_tile(dst, instr, "dst", eng), operands.compute_tile(src, instr, "src", eng)
+    operands.same_layout(instr, "dst", dst, "src", src)
     values = np.asarray(src.read())
     if src.dtype != dst.dtype:
         # Differing dtypes convert through an fp32 intermediate (ints too: 2**24 + 1 is lost, and
@@ -367,8 +180,8 @@ def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name:
 def memset(dst: Tensor, value: Any, engine: engine = engine.unknown, name: str | None = None) -> None:
     """Fill ``dst`` with a compile-time constant."""
     instr = "nisa.memset"
-    eng = _engine(engine, instr, ("vector", "gpsimd"), "vector")
-    dst = _compute_tile(dst, instr, "dst", eng)
+    eng = operands.engine_for(engine, instr, ("vector", "gpsimd"), "vector")
+    dst = operands.compute_tile(dst, instr, "dst", eng)
     if dst.dtype in dtypes.PACKED_X4 and value != 0:
         raise rule(instr, "value", "packed x4 dtypes can only be set to 0", value=value)
     if isinstance(value, Tensor):
@@ -381,16 +194,16 @@ def tensor_copy_predicated(dst: Tensor, src: Any, predicate: Tensor, reverse_pre
                            name: str | None = None) -> None:
     """Copy ``src`` into ``dst`` where ``predicate`` is non-zero (or zero, with ``reverse_pred``)."""
     instr = "nisa.tensor_copy_predicated"
-    dst = _compute_tile(dst, instr, "dst", "vector")
-    predicate = _compute_tile(predicate, instr, "predicate", "vector")
-    if not _is_int(predicate):
+    dst = operands.compute_tile(dst, instr, "dst", "vector")
+    predicate = operands.compute_tile(predicate, instr, "predicate", "vector")
+    if not operands.is_int(predicate):
         raise rule(instr, "predicate", "must be an integer tile (uint8/uint16/uint32)",
                    dtype=dtypes.name(predicate.dtype))
-    _same_layout(instr, "dst", dst, "predicate", predicate)
+    operands.same_layout(instr, "dst", dst, "predicate", predicate)
     if isinstance(src, Tensor):
-        src = _compute_tile(src, instr, "src", "vector")
-        _same_layout(instr, "dst", dst, "src", src)
-        _not_both_psum(instr, "src", src, "predicate", predicate)
+        src = operands.compute_tile(src, instr, "src", "vector")
+        operands.same_layout(instr, "dst", dst, "src", src)
+        operands.not_both_psum(instr, "src", src, "predicate", predicate)
         if src.dtype != dst.dtype:
             raise rule(instr, "src", "must have the same dtype as dst", src=dtypes.name(src.dtype), dst=dtypes.name(dst.dtype))
         values = np.asarray(src.read()).reshape(dst.shape)
@@ -402,7 +215,7 @@ def tensor_copy_predicated(dst: Tensor, src: Any, predicate: Tensor, reverse_pre
     current = np.asarray(dst.read())
     dst.write(np.where(mask, values, current), instr)
     runtime.current().record("vector", "tensor_copy_predicated",
-                             reads=_reads(src=src, predicate=predicate, dst_in=dst), writes=[("dst", dst)])
+                             reads=operands.reads(src=src, predicate=predicate, dst_in=dst), writes=[("dst", dst)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,14 +230,14 @@ def _check_tiling(instr: str, tile_position: Sequence[Any], tile_size: Sequence[
     if bool(tile_position) != bool(tile_size):
         raise rule(instr, "tile_position/tile_size", "set both to use tiling mode, or neither")
     if not tile_size:
-        return PE_ARRAY, PE_ARRAY
+        return operands.PE_ARRAY, operands.PE_ARRAY
     rows, cols = (int(v) for v in tile_size)
     start_row, start_col = (int(v) for v in tile_position)
     legal = (32, 64, 128) if generation >= 3 else (64, 128)
     for label, size, start in (("row", rows, start_row), ("column", cols, start_col)):
         if size not in legal:
             raise rule(instr, "tile_size", f"{label} tile size must be one of {legal}", value=size)
-        if start % size or not 0 <= start < PE_ARRAY:
+        if start % size or not 0 <= start < operands.PE_ARRAY:
             raise rule(instr, "tile_position", f"start {label} must be a multiple of the {label} tile size below 128",
                        start=start, tile=size)
     if k > rows:
@@ -442,9 +255,9 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     instr = "nisa.nc_matmul"
     run = runtime.current()
     target = run.target
-    stationary = _compute_tile(stationary, instr, "stationary", "tensor", ("sbuf",))
-    moving = _compute_tile(moving, instr, "moving", "tensor", ("sbuf",))
-    dst = _compute_tile(dst, instr, "dst", "tensor", ("psum",))
+    stationary = operands.compute_tile(stationary, instr, "stationary", "tensor", ("sbuf",))
+    moving = operands.compute_tile(moving, instr, "moving", "tensor", ("sbuf",))
+    dst = operands.compute_tile(dst, instr, "dst", "tensor", ("psum",))
     s_dt, m_dt = dtypes.name(stationary.dtype), dtypes.name(moving.dtype)
     for role, dt in (("stationary", s_dt), ("moving", m_dt)):
         if dt not in _MATMUL_IN or (dt == "float8_e4m3fn" and target.generation < 4):
@@ -462,14 +275,14 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     elif d_dt not in target.matmul_dst_dtypes:
         raise rule(instr, "dst", "PSUM result dtype not supported", dtype=d_dt,
                    allowed="/".join(target.matmul_dst_dtypes), target=target.name)
-    st, mv = _rows(stationary), _rows(moving)
+    st, mv = operands.rows(stationary), operands.rows(moving)
     k = stationary.partition_size
     if double_row:
         if not target.has_fp8_double_row:
             raise rule(instr, "perf_mode", "double_row needs NeuronCore-v3 or newer", target=target.name)
         if s_dt not in ("float8_e4m3", "float8_e5m2", "float8_e4m3fn") or m_dt not in ("float8_e4m3", "float8_e5m2", "float8_e4m3fn"):
             raise rule(instr, "perf_mode", "double_row takes fp8 inputs only", stationary=s_dt, moving=m_dt)
-        if tile_size and tuple(tile_size)[1] != PE_ARRAY:
+        if tile_size and tuple(tile_size)[1] != operands.PE_ARRAY:
             raise rule(instr, "perf_mode", "double_row cannot be combined with column tiling")
         if stationary.ndim < 3 or stationary.shape[1] != 2 or moving.ndim < 3 or moving.shape[1] != 2:
             raise rule(instr, "stationary/moving", "double_row needs the first free dim to be 2",
@@ -480,7 +293,7 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     if moving.partition_size != k:
         raise rule(instr, "stationary/moving", "contraction (partition) dims differ", stationary_K=k,
                    moving_K=moving.partition_size)
-    if k > PE_ARRAY:
+    if k > operands.PE_ARRAY:
         raise rule(instr, "stationary", "contraction (partition) dim exceeds 128", K=k)
     m, n = st.shape[1], mv.shape[1]
     if m > target.gemm_stationary_fmax:
@@ -527,18 +340,18 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
 def nc_transpose(dst: Tensor, data: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:
     """Swap the partition dim with the (flattened) free dims, on TensorE (≤128×128) or VectorE (≤32×32)."""
     instr = "nisa.nc_transpose"
-    data = _tile(data, instr, "data")
-    dst = _tile(dst, instr, "dst")
+    data = operands.tile(data, instr, "data")
+    dst = operands.tile(dst, instr, "dst")
     default = "tensor" if (data.buffer == "sbuf" and dst.buffer == "psum") else "vector"
-    eng = _engine(engine, instr, ("tensor", "vector"), default)
+    eng = operands.engine_for(engine, instr, ("tensor", "vector"), default)
     if eng == "tensor":
-        data = _compute_tile(data, instr, "data", "tensor", ("sbuf",))
-        dst = _compute_tile(dst, instr, "dst", "tensor", ("psum",))
-        limit = PE_ARRAY
+        data = operands.compute_tile(data, instr, "data", "tensor", ("sbuf",))
+        dst = operands.compute_tile(dst, instr, "dst", "tensor", ("psum",))
+        limit = operands.PE_ARRAY
     else:
-        data = _compute_tile(data, instr, "data", "vector")
-        dst = _compute_tile(dst, instr, "dst", "vector")
-        limit = VECTOR_TRANSPOSE_MAX
+        data = operands.compute_tile(data, instr, "data", "vector")
+        dst = operands.compute_tile(dst, instr, "dst", "vector")
+        limit = operands.VECTOR_TRANSPOSE_MAX
     if data.dtype != dst.dtype:
         raise rule(instr, "dst", "must have the same dtype as data", dst=dtypes.name(dst.dtype), data=dtypes.name(data.dtype))
     p, f = data.partition_size, data.free_size
@@ -570,7 +383,7 @@ def _check_bitvec(instr: str, ops: Sequence[Op], tiles: dict[str, Tensor]) -> No
                    ops=[op.name for op in ops])
     if True in kinds:
         for role, t in tiles.items():
-            if not _is_int(t):
+            if not operands.is_int(t):
                 raise rule(instr, role, "bitvec operators need integer tiles", op=ops[0].name,
                            dtype=dtypes.name(t.dtype))
 
@@ -584,26 +397,26 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: en
     """``dst = data1 <op> data2`` element-wise on VectorE (GpSimd for ``nl.power`` and int32)."""
     instr = "nisa.tensor_tensor"
     alu = as_alu(op, instr)
-    data1, data2 = _tile(data1, instr, "data1"), _tile(data2, instr, "data2")
+    data1, data2 = operands.tile(data1, instr, "data1"), operands.tile(data2, instr, "data2")
     all_int32 = all(dtypes.name(t.dtype) in ("int32", "uint32") for t in (dst, data1, data2) if isinstance(t, Tensor))
     any_psum = any(t.buffer == "psum" for t in (dst, data1, data2) if isinstance(t, Tensor))
     default = "gpsimd" if (alu.name == "power" or (all_int32 and not any_psum)) else "vector"
-    eng = _engine(engine, instr, ("vector", "gpsimd"), default)
+    eng = operands.engine_for(engine, instr, ("vector", "gpsimd"), default)
     if alu.name == "power" and eng != "gpsimd":
         raise rule(instr, "op", "nl.power runs on GpSimd only", engine=eng)
-    dst = _compute_tile(dst, instr, "dst", eng)
-    data1 = _compute_tile(data1, instr, "data1", eng)
-    data2 = _compute_tile(data2, instr, "data2", eng)
-    _same_layout(instr, "data1", data1, "data2", data2)
-    _same_layout(instr, "dst", dst, "data1", data1)
-    _not_both_psum(instr, "data1", data1, "data2", data2)
+    dst = operands.compute_tile(dst, instr, "dst", eng)
+    data1 = operands.compute_tile(data1, instr, "data1", eng)
+    data2 = operands.compute_tile(data2, instr, "data2", eng)
+    operands.same_layout(instr, "data1", data1, "data2", data2)
+    operands.same_layout(instr, "dst", dst, "data1", data1)
+    operands.not_both_psum(instr, "data1", data1, "data2", data2)
     _check_bitvec(instr, [alu], {"data1": data1, "data2": data2, "dst": dst})
     if eng == "gpsimd" and all_int32 and alu.name in _GPSIMD_INT_ALU:
         # GpSimd's native 32-bit integer arithmetic: exact (no fp32 rounding above 2**24), and the
         # int64 result wraps to 32 bits when written, as two's-complement hardware does.
-        result = _GPSIMD_INT_ALU[alu.name](_rows(data1), _rows(data2))
+        result = _GPSIMD_INT_ALU[alu.name](operands.rows(data1), operands.rows(data2))
     else:
-        result = _alu_apply(alu, _rows(data1), _rows(data2))
+        result = _alu_apply(alu, operands.rows(data1), operands.rows(data2))
     dst.write(result.reshape(dst.shape), instr)
     runtime.current().record(eng, "tensor_tensor", reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)],
                              alu=alu.name)
@@ -637,12 +450,12 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
     allowed = _alu_engines(instr, [first] + ([second] if second else []), ("vector", "scalar", "gpsimd"))
     # Like the compiler: VectorE when it can, else GpSimd, else ScalarE for the pairs it supports.
     usable = [e for e in ("vector", "gpsimd", "scalar") if e in allowed and (e != "scalar" or pair in _SCALAR_ENGINE_COMBOS)]
-    eng = _engine(engine, instr, allowed, usable[0] if usable else allowed[0])
+    eng = operands.engine_for(engine, instr, allowed, usable[0] if usable else allowed[0])
     if eng == "scalar" and pair not in _SCALAR_ENGINE_COMBOS:
         raise rule(instr, "engine", "ScalarE supports only multiply+add, multiply, or add", op0=pair[0], op1=pair[1])
-    dst = _compute_tile(dst, instr, "dst", eng)
-    data = _compute_tile(data, instr, "data", eng)
-    _same_layout(instr, "dst", dst, "data", data)
+    dst = operands.compute_tile(dst, instr, "dst", eng)
+    data = operands.compute_tile(data, instr, "data", eng)
+    operands.same_layout(instr, "dst", dst, "data", data)
     ops = [first] + ([second] if second else [])
     _check_bitvec(instr, ops, {"data": data, "dst": dst})
     if first.kind != "bitvec":
@@ -652,15 +465,15 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
                 raise rule(instr, role, "a vector operand of an arithmetic operator must be float32",
                            dtype=dtypes.name(operand.dtype))
     parts = data.partition_size
-    a0 = _scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, eng)
-    values = _alu_apply(first, _rows(data), a0, reverse0)
+    a0 = operands.scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, eng)
+    values = _alu_apply(first, operands.rows(data), a0, reverse0)
     if second is not None:
-        a1 = _scalar_or_vector(0.0 if operand1 is None else operand1, instr, "operand1", parts, eng)
+        a1 = operands.scalar_or_vector(0.0 if operand1 is None else operand1, instr, "operand1", parts, eng)
         values = _alu_apply(second, values, a1, reverse1)
     if values.shape != (parts, data.free_size):
         values = np.broadcast_to(values, (parts, data.free_size))
     dst.write(values.reshape(dst.shape), instr)
-    runtime.current().record(eng, "tensor_scalar", reads=_reads(data=data, operand0=operand0, operand1=operand1),
+    runtime.current().record(eng, "tensor_scalar", reads=operands.reads(data=data, operand0=operand0, operand1=operand1),
                              writes=[("dst", dst)], alu=first.name)
 
 
@@ -672,28 +485,28 @@ def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0: Any, operand0: Any, op1
     for op in (first, second):
         if op.kind == "bitvec":
             raise rule(instr, "op", "bitvec operators are not supported here", op=op.name)
-    dst = _compute_tile(dst, instr, "dst", "vector")
-    data = _compute_tile(data, instr, "data", "vector")
-    operand1 = _compute_tile(operand1, instr, "operand1", "vector")
-    _same_layout(instr, "dst", dst, "data", data)
-    _same_layout(instr, "data", data, "operand1", operand1)
-    _not_both_psum(instr, "data", data, "operand1", operand1)
-    a0 = _scalar_or_vector(operand0, instr, "operand0", data.partition_size, "vector")
-    values = _alu_apply(first, _rows(data), a0, reverse0)
-    values = _alu_apply(second, values, _rows(operand1), reverse1)
+    dst = operands.compute_tile(dst, instr, "dst", "vector")
+    data = operands.compute_tile(data, instr, "data", "vector")
+    operand1 = operands.compute_tile(operand1, instr, "operand1", "vector")
+    operands.same_layout(instr, "dst", dst, "data", data)
+    operands.same_layout(instr, "data", data, "operand1", operand1)
+    operands.not_both_psum(instr, "data", data, "operand1", operand1)
+    a0 = operands.scalar_or_vector(operand0, instr, "operand0", data.partition_size, "vector")
+    values = _alu_apply(first, operands.rows(data), a0, reverse0)
+    values = _alu_apply(second, values, operands.rows(operand1), reverse1)
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record("vector", "scalar_tensor_tensor",
-                             reads=_reads(data=data, operand0=operand0, operand1=operand1), writes=[("dst", dst)],
+                             reads=operands.reads(data=data, operand0=operand0, operand1=operand1), writes=[("dst", dst)],
                              alu=second.name)
 
 
 def reciprocal(dst: Tensor, data: Tensor, name: str | None = None) -> None:
     """``dst = 1 / data`` on VectorE."""
     instr = "nisa.reciprocal"
-    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
-    _same_layout(instr, "dst", dst, "data", data)
+    dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
+    operands.same_layout(instr, "dst", dst, "data", data)
     with np.errstate(all="ignore"):
-        values = np.float32(1.0) / _rows(data).astype(np.float32, copy=False)
+        values = np.float32(1.0) / operands.rows(data).astype(np.float32, copy=False)
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record("vector", "reciprocal", reads=[("data", data)], writes=[("dst", dst)])
 
@@ -726,7 +539,7 @@ def tensor_reduce(dst: Tensor, op: Any, data: Tensor, axis: Any, negate: bool = 
     """Reduce the trailing free axes of ``data`` on VectorE (optionally negated)."""
     instr = "nisa.tensor_reduce"
     alu = as_alu(op, instr)
-    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
+    dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
     axes = tuple(sorted(int(a) % data.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])))
     if 0 in axes:
         raise rule(instr, "axis", "the partition axis (0) cannot be reduced; transpose or use a matmul", axis=axes)
@@ -734,7 +547,7 @@ def tensor_reduce(dst: Tensor, op: Any, data: Tensor, axis: Any, negate: bool = 
         raise rule(instr, "axis", "must be the last contiguous free dims, ending at the final dim",
                    axis=axes, ndim=data.ndim)
     values = dtypes.to_engine(np.asarray(data.read()))
-    if alu.kind == "bitvec" and not _is_int(data):
+    if alu.kind == "bitvec" and not operands.is_int(data):
         raise rule(instr, "data", "bitvec reductions need integer tiles", dtype=dtypes.name(data.dtype))
     reduced = _reduce(alu, values.reshape(values.shape[:axes[0]] + (-1,)), -1)
     if negate:
@@ -755,11 +568,11 @@ def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None
     alu = as_alu(op, instr)
     if alu.name not in ("add", "maximum", "bitwise_or", "bitwise_and"):
         raise rule(instr, "op", "must be add, maximum, bitwise_or or bitwise_and", op=alu.name)
-    dst, data = _compute_tile(dst, instr, "dst", "gpsimd"), _compute_tile(data, instr, "data", "gpsimd")
+    dst, data = operands.compute_tile(dst, instr, "dst", "gpsimd"), operands.compute_tile(data, instr, "data", "gpsimd")
     if dst.partition_size != 1 or dst.free_size != data.free_size:
         raise rule(instr, "dst", "must hold one partition of data's free size", dst=list(dst.shape),
                    expected=[1, data.free_size])
-    reduced = _reduce(alu, _rows(data), 0)
+    reduced = _reduce(alu, operands.rows(data), 0)
     dst.write(reduced.reshape(dst.shape), instr)
     runtime.current().record("gpsimd", "tensor_partition_reduce", reads=[("data", data)], writes=[("dst", dst)])
 
@@ -775,7 +588,7 @@ def _accumulate(registers: np.ndarray, parts: int, cmd: reduce_cmd, op: Op, valu
     elif cmd == reduce_cmd.load_reduce:
         if init is None:
             raise rule(instr, "reduce_init", "is required with reduce_cmd.load_reduce")
-        lane[:] = np.broadcast_to(_scalar_or_vector(init, instr, "reduce_init", parts, "vector"), (parts, 1))[:, 0]
+        lane[:] = np.broadcast_to(operands.scalar_or_vector(init, instr, "reduce_init", parts, "vector"), (parts, 1))[:, 0]
     if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce, reduce_cmd.load_reduce):
         lane[:] = _alu_apply(op, lane, _reduce(op, values.astype(np.float32), -1))
 
@@ -783,7 +596,7 @@ def _accumulate(registers: np.ndarray, parts: int, cmd: reduce_cmd, op: Op, valu
 def _read_out(reduce_res: Tensor | None, registers: np.ndarray, parts: int, instr: str, eng: str) -> None:
     if reduce_res is None:
         return
-    reduce_res = _compute_tile(reduce_res, instr, "reduce_res", eng)
+    reduce_res = operands.compute_tile(reduce_res, instr, "reduce_res", eng)
     if reduce_res.partition_size != parts or reduce_res.free_size != 1:
         raise rule(instr, "reduce_res", "must have shape (partitions, 1)", shape=list(reduce_res.shape), partitions=parts)
     reduce_res.write(registers[:parts].reshape(reduce_res.shape), instr)
@@ -799,19 +612,19 @@ def tensor_scalar_reduce(dst: Tensor, data: Tensor, op0: Any, operand0: Any, red
         raise rule(instr, "reduce_op", "must be add, multiply, maximum or minimum", op=red.name)
     if first.kind == "bitvec":
         raise rule(instr, "op0", "bitvec operators are not supported here", op=first.name)
-    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
-    _same_layout(instr, "dst", dst, "data", data)
+    dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
+    operands.same_layout(instr, "dst", dst, "data", data)
     parts = data.partition_size
-    a0 = _scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, "vector")
-    values = np.broadcast_to(_alu_apply(first, _rows(data), a0, reverse0), (parts, data.free_size))
+    a0 = operands.scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, "vector")
+    values = np.broadcast_to(_alu_apply(first, operands.rows(data), a0, reverse0), (parts, data.free_size))
     dst.write(values.reshape(dst.shape), instr)
     # Engines accumulate their fp32 results; only the write to dst rounds.
     stored = np.asarray(values, dtype=np.float32)
     run = runtime.current()
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, stored, reduce_init, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
-    run.record("vector", "tensor_scalar_reduce", reads=_reads(data=data, operand0=operand0),
-               writes=_reads(dst=dst, reduce_res=reduce_res), alu=first.name)
+    run.record("vector", "tensor_scalar_reduce", reads=operands.reads(data=data, operand0=operand0),
+               writes=operands.reads(dst=dst, reduce_res=reduce_res), alu=first.name)
 
 
 def tensor_tensor_scan(dst: Tensor, data0: Tensor, data1: Tensor, initial: Any, op0: Any, op1: Any,
@@ -819,21 +632,21 @@ def tensor_tensor_scan(dst: Tensor, data0: Tensor, data1: Tensor, initial: Any, 
     """``r[i] = (data0[i] <op0> r[i-1]) <op1> data1[i]`` along the free dim, from ``initial``."""
     instr = "nisa.tensor_tensor_scan"
     first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
-    dst = _compute_tile(dst, instr, "dst", "vector")
-    data0, data1 = _compute_tile(data0, instr, "data0", "vector"), _compute_tile(data1, instr, "data1", "vector")
-    _same_layout(instr, "data0", data0, "data1", data1)
-    _same_layout(instr, "dst", dst, "data0", data0)
-    _not_both_psum(instr, "data0", data0, "data1", data1)
+    dst = operands.compute_tile(dst, instr, "dst", "vector")
+    data0, data1 = operands.compute_tile(data0, instr, "data0", "vector"), operands.compute_tile(data1, instr, "data1", "vector")
+    operands.same_layout(instr, "data0", data0, "data1", data1)
+    operands.same_layout(instr, "dst", dst, "data0", data0)
+    operands.not_both_psum(instr, "data0", data0, "data1", data1)
     parts = data0.partition_size
-    a, b = _rows(data0), _rows(data1)
-    state = np.broadcast_to(_scalar_or_vector(initial, instr, "initial", parts, "vector"), (parts, 1))[:, 0].astype(np.float32)
+    a, b = operands.rows(data0), operands.rows(data1)
+    state = np.broadcast_to(operands.scalar_or_vector(initial, instr, "initial", parts, "vector"), (parts, 1))[:, 0].astype(np.float32)
     out = np.empty_like(a, dtype=np.float32)
     for i in range(a.shape[1]):
         state = _alu_apply(first, a[:, i], state, reverse0)
         state = _alu_apply(second, state, b[:, i], reverse1)
         out[:, i] = state
     dst.write(out.reshape(dst.shape), instr)
-    runtime.current().record("vector", "tensor_tensor_scan", reads=_reads(data0=data0, data1=data1, initial=initial),
+    runtime.current().record("vector", "tensor_tensor_scan", reads=operands.reads(data0=data0, data1=data1, initial=initial),
                              writes=[("dst", dst)])
 
 
@@ -844,8 +657,8 @@ def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0:
     first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
     if second.name not in ("add", "subtract", "multiply", "maximum", "minimum"):
         raise rule(instr, "op1", "must be add, subtract, multiply, maximum or minimum", op=second.name)
-    dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
-    _same_layout(instr, "dst", dst, "src", src)
+    dst, src = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(src, instr, "src", "vector")
+    operands.same_layout(instr, "dst", dst, "src", src)
     parts = src.partition_size
     run = runtime.current()
     lanes = run.vector_accumulator[:parts]
@@ -853,15 +666,15 @@ def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0:
     if reduce_cmd == _CMD.reset_reduce:
         lanes[:] = second.identity if second.identity is not None else 0.0
     elif reduce_cmd == _CMD.load_reduce:
-        lanes[:] = np.broadcast_to(_scalar_or_vector(imm1, instr, "imm1", parts, "vector"), (parts, 1))[:, 0]
-    scaled = np.broadcast_to(_alu_apply(first, _rows(src), _scalar_or_vector(imm0, instr, "imm0", parts, "vector")),
+        lanes[:] = np.broadcast_to(operands.scalar_or_vector(imm1, instr, "imm1", parts, "vector"), (parts, 1))[:, 0]
+    scaled = np.broadcast_to(_alu_apply(first, operands.rows(src), operands.scalar_or_vector(imm0, instr, "imm0", parts, "vector")),
                              (parts, src.free_size))
     out = np.empty((parts, src.free_size), dtype=np.float32)
     for i in range(src.free_size):
         lanes[:] = second.binary(scaled[:, i], lanes)
         out[:, i] = lanes
     dst.write(out.reshape(dst.shape), instr)
-    run.record("vector", "tensor_scalar_cumulative", reads=_reads(src=src, imm0=imm0, imm1=imm1), writes=[("dst", dst)])
+    run.record("vector", "tensor_scalar_cumulative", reads=operands.reads(src=src, imm0=imm0, imm1=imm1), writes=[("dst", dst)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -870,20 +683,20 @@ def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0:
 def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, relu_param: Any = 0.0) -> np.ndarray:
     run = runtime.current()
     parts = data.partition_size
-    x = _rows(data).astype(np.float32, copy=False)
+    x = operands.rows(data).astype(np.float32, copy=False)
     if isinstance(scale, Tensor):
         if dtypes.name(scale.dtype) != "float32":
             raise rule(instr, "scale", "a scale vector must be float32", dtype=dtypes.name(scale.dtype))
     with np.errstate(over="ignore", invalid="ignore"):  # masked logits (-3.4e38) scale to -inf, as in fp32 hardware
-        x = x * np.float32(1.0) * _scalar_or_vector(scale, instr, "scale", parts, "scalar")
+        x = x * np.float32(1.0) * operands.scalar_or_vector(scale, instr, "scale", parts, "scalar")
     if bias is not None:
         if not isinstance(bias, Tensor) and not run.target.bias_scalar_allowed:
             raise rule(instr, "bias", "NeuronCore-v2 takes bias only as a (P, 1) vector", target=run.target.name)
         if isinstance(bias, Tensor) and dtypes.name(bias.dtype) == "tfloat32":
             raise rule(instr, "bias", "tfloat32 bias is not supported")
-        x = x + _scalar_or_vector(bias, instr, "bias", parts, "scalar")
+        x = x + operands.scalar_or_vector(bias, instr, "bias", parts, "scalar")
     if op.name == "prelu":
-        slope = _scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
+        slope = operands.scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
         return np.where(x >= 0, x, x * slope).astype(np.float32)
     return op.unary(x.astype(np.float32))
 
@@ -894,8 +707,8 @@ def activation(dst: Tensor, op: Any, data: Tensor, bias: Any = None, scale: Any 
     """``dst = op(data * scale + bias)`` on ScalarE, optionally add-reducing into the lane registers."""
     instr = "nisa.activation"
     fn = as_activation(op, instr)
-    dst, data = _compute_tile(dst, instr, "dst", "scalar"), _compute_tile(data, instr, "data", "scalar")
-    _same_layout(instr, "dst", dst, "data", data)
+    dst, data = operands.compute_tile(dst, instr, "dst", "scalar"), operands.compute_tile(data, instr, "data", "scalar")
+    operands.same_layout(instr, "dst", dst, "data", data)
     values = _activation_values(instr, fn, data, bias, scale)
     dst.write(values.reshape(dst.shape), instr)
     run = runtime.current()
@@ -908,8 +721,8 @@ def activation(dst: Tensor, op: Any, data: Tensor, bias: Any = None, scale: Any 
         stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
         _accumulate(run.scalar_accumulator, data.partition_size, reduce_cmd, red, stored, None, instr)
     _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
-    run.record("scalar", "activation", reads=_reads(data=data, bias=bias, scale=scale),
-               writes=_reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=red is not None)
+    run.record("scalar", "activation", reads=operands.reads(data=data, bias=bias, scale=scale),
+               writes=operands.reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=red is not None)
 
 
 def activation_reduce(dst: Tensor, op: Any, data: Tensor, reduce_op: Any, reduce_res: Tensor, bias: Any = None,
@@ -921,15 +734,15 @@ def activation_reduce(dst: Tensor, op: Any, data: Tensor, reduce_op: Any, reduce
     if run.target.generation == 2 and red.name != "add":
         raise rule(instr, "reduce_op", "NeuronCore-v2 reduces with nl.add only", op=red.name)
     fn = as_activation(op, instr)
-    dst, data = _compute_tile(dst, instr, "dst", "scalar"), _compute_tile(data, instr, "data", "scalar")
-    _same_layout(instr, "dst", dst, "data", data)
+    dst, data = operands.compute_tile(dst, instr, "dst", "scalar"), operands.compute_tile(data, instr, "data", "scalar")
+    operands.same_layout(instr, "dst", dst, "data", data)
     values = _activation_values(instr, fn, data, bias, scale)
     dst.write(values.reshape(dst.shape), instr)
     stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
     _accumulate(run.scalar_accumulator, data.partition_size, _CMD.reset_reduce, red, stored, None, instr)
     _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
-    run.record("scalar", "activation", reads=_reads(data=data, bias=bias, scale=scale),
-               writes=_reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=True)
+    run.record("scalar", "activation", reads=operands.reads(data=data, bias=bias, scale=scale),
+               writes=operands.reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=True)
 
 
 _ACTIVATE2_COMBOS = {("multiply", "add"), ("multiply", "subtract"), ("multiply", "bypass"), ("add", "bypass"),
@@ -948,13 +761,13 @@ def activate2(dst: Tensor, op: Any, data: Tensor, imm0: Any, imm1: Any, op0: Any
     first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
     if (first.name, second.name) not in _ACTIVATE2_COMBOS:
         raise rule(instr, "op0/op1", "unsupported operator pair", op0=first.name, op1=second.name)
-    dst, data = _compute_tile(dst, instr, "dst", "scalar"), _compute_tile(data, instr, "data", "scalar")
-    _same_layout(instr, "dst", dst, "data", data)
+    dst, data = operands.compute_tile(dst, instr, "dst", "scalar"), operands.compute_tile(data, instr, "data", "scalar")
+    operands.same_layout(instr, "dst", dst, "data", data)
     parts = data.partition_size
-    x = _alu_apply(first, _rows(data), _scalar_or_vector(imm0, instr, "imm0", parts, "scalar"), reverse0)
-    x = _alu_apply(second, x, _scalar_or_vector(imm1, instr, "imm1", parts, "scalar"), reverse1)
+    x = _alu_apply(first, operands.rows(data), operands.scalar_or_vector(imm0, instr, "imm0", parts, "scalar"), reverse0)
+    x = _alu_apply(second, x, operands.scalar_or_vector(imm1, instr, "imm1", parts, "scalar"), reverse1)
     if fn.name == "prelu":
-        slope = _scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
+        slope = operands.scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
         values = np.where(x >= 0, x, x * slope).astype(np.float32)
     else:
         values = fn.unary(np.broadcast_to(x, (parts, data.free_size)).astype(np.float32))
@@ -966,8 +779,8 @@ def activate2(dst: Tensor, op: Any, data: Tensor, imm0: Any, imm1: Any, op0: Any
         _accumulate(run.scalar_accumulator, parts, reduce_cmd, red, np.asarray(values, dtype=np.float32),
                     None, instr)
     _read_out(reduce_res, run.scalar_accumulator, parts, instr, "scalar")
-    run.record("scalar", "activation", reads=_reads(data=data, imm0=imm0, imm1=imm1),
-               writes=_reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=reduce_op is not None)
+    run.record("scalar", "activation", reads=operands.reads(data=data, imm0=imm0, imm1=imm1),
+               writes=operands.reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=reduce_op is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -992,7 +805,7 @@ def iota(dst: Tensor, pattern: Sequence[Sequence[int]], offset: int = 0, channel
          name: str | None = None) -> None:
     """``dst[p, i] = offset + p * channel_multiplier + pattern(i)`` on GpSimd, in int32 arithmetic."""
     instr = "nisa.iota"
-    dst = _compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
+    dst = operands.compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
     values = _affine_values(instr, pattern, offset, channel_multiplier, dst.partition_size, dst.free_size)
     dst.write(values.astype(np.int32).astype(np.float64 if dtypes.is_float(dst.dtype) else np.int64).reshape(dst.shape), instr)
     runtime.current().record("gpsimd", "iota", writes=[("dst", dst)])
@@ -1003,14 +816,14 @@ def affine_select(dst: Tensor, pattern: Sequence[Sequence[int]], channel_multipl
     """Keep ``on_true_tile`` where ``cmp_op(affine(p, i), 0)`` holds, else ``on_false_value`` (GpSimd)."""
     instr = "nisa.affine_select"
     compare = as_alu(cmp_op if cmp_op is not None else _OPS["equal"], instr, "cmp_op")
-    dst = _compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
-    on_true_tile = _compute_tile(on_true_tile, instr, "on_true_tile", "gpsimd", ("sbuf",))
-    _same_layout(instr, "dst", dst, "on_true_tile", on_true_tile)
+    dst = operands.compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
+    on_true_tile = operands.compute_tile(on_true_tile, instr, "on_true_tile", "gpsimd", ("sbuf",))
+    operands.same_layout(instr, "dst", dst, "on_true_tile", on_true_tile)
     if isinstance(on_false_value, Tensor):
         raise rule(instr, "on_false_value", "must be a float32 scalar")
     values = _affine_values(instr, pattern, offset, channel_multiplier, dst.partition_size, dst.free_size)
     keep = compare.binary(values.astype(np.float32), np.float32(0)) != 0
-    chosen = np.where(keep, _rows(on_true_tile), np.float32(on_false_value))
+    chosen = np.where(keep, operands.rows(on_true_tile), np.float32(on_false_value))
     dst.write(chosen.reshape(dst.shape), instr)
     runtime.current().record("gpsimd", "affine_select", reads=[("on_true_tile", on_true_tile)], writes=[("dst", dst)])
 
@@ -1020,7 +833,7 @@ _RANGE_COMPARE = {"equal", "less", "less_equal", "greater", "greater_equal"}
 
 def range_select(dst: Tensor, on_true_tile: Tensor, comp_op0: Any, comp_op1: Any, bound0: Tensor, bound1: Tensor,
                  reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce, reduce_res: Tensor | None = None,
-                 reduce_op: Any = None, range_start: int = 0, on_false_value: float = FP32_MIN,
+                 reduce_op: Any = None, range_start: int = 0, on_false_value: float = operands.FP32_MIN,
                  name: str | None = None) -> None:
     """Keep elements whose free index (+ ``range_start``) satisfies both bounds; max-reduce the result."""
     instr = "nisa.range_select"
@@ -1034,24 +847,24 @@ def range_select(dst: Tensor, on_true_tile: Tensor, comp_op0: Any, comp_op1: Any
     red = as_alu(reduce_op if reduce_op is not None else _OPS["maximum"], instr, "reduce_op")
     if red.name != "maximum":
         raise rule(instr, "reduce_op", "only nl.maximum is supported", op=red.name)
-    if float(on_false_value) != FP32_MIN:
+    if float(on_false_value) != operands.FP32_MIN:
         raise rule(instr, "on_false_value", "the hardware fills with FP32_MIN only", value=on_false_value)
-    dst = _compute_tile(dst, instr, "dst", "vector")
-    on_true_tile = _compute_tile(on_true_tile, instr, "on_true_tile", "vector")
+    dst = operands.compute_tile(dst, instr, "dst", "vector")
+    on_true_tile = operands.compute_tile(on_true_tile, instr, "on_true_tile", "vector")
     if not dtypes.is_float(on_true_tile.dtype):
         raise rule(instr, "on_true_tile", "must be a float tile", dtype=dtypes.name(on_true_tile.dtype))
-    _same_layout(instr, "dst", dst, "on_true_tile", on_true_tile)
+    operands.same_layout(instr, "dst", dst, "on_true_tile", on_true_tile)
     parts = on_true_tile.partition_size
-    b0 = _scalar_or_vector(bound0, instr, "bound0", parts, "vector")
-    b1 = _scalar_or_vector(bound1, instr, "bound1", parts, "vector")
+    b0 = operands.scalar_or_vector(bound0, instr, "bound0", parts, "vector")
+    b1 = operands.scalar_or_vector(bound1, instr, "bound1", parts, "vector")
     index = (int(range_start) + np.arange(on_true_tile.free_size, dtype=np.float32))[None, :]
     keep = (c0.binary(index, b0) != 0) & (c1.binary(index, b1) != 0)
-    chosen = np.where(keep, _rows(on_true_tile), np.float32(FP32_MIN)).astype(np.float32)
+    chosen = np.where(keep, operands.rows(on_true_tile), np.float32(operands.FP32_MIN)).astype(np.float32)
     dst.write(chosen.reshape(dst.shape), instr)
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, chosen, None, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
-    run.record("vector", "range_select", reads=_reads(on_true_tile=on_true_tile, bound0=bound0, bound1=bound1),
-               writes=_reads(dst=dst, reduce_res=reduce_res))
+    run.record("vector", "range_select", reads=operands.reads(on_true_tile=on_true_tile, bound0=bound0, bound1=bound1),
+               writes=operands.reads(dst=dst, reduce_res=reduce_res))
 
 
 def select_reduce(dst: Tensor, predicate: Tensor, on_true: Tensor, on_false: Any, reduce_res: Tensor | None = None,
@@ -1062,32 +875,32 @@ def select_reduce(dst: Tensor, predicate: Tensor, on_true: Tensor, on_false: Any
     red = as_alu(reduce_op if reduce_op is not None else _OPS["maximum"], instr, "reduce_op")
     if red.name != "maximum":
         raise rule(instr, "reduce_op", "only nl.maximum is supported", op=red.name)
-    dst = _compute_tile(dst, instr, "dst", "vector")
-    predicate = _compute_tile(predicate, instr, "predicate", "vector")
-    on_true = _compute_tile(on_true, instr, "on_true", "vector")
-    _same_layout(instr, "dst", dst, "on_true", on_true)
-    _same_layout(instr, "dst", dst, "predicate", predicate)
-    _not_both_psum(instr, "on_true", on_true, "predicate", predicate)
+    dst = operands.compute_tile(dst, instr, "dst", "vector")
+    predicate = operands.compute_tile(predicate, instr, "predicate", "vector")
+    on_true = operands.compute_tile(on_true, instr, "on_true", "vector")
+    operands.same_layout(instr, "dst", dst, "on_true", on_true)
+    operands.same_layout(instr, "dst", dst, "predicate", predicate)
+    operands.not_both_psum(instr, "on_true", on_true, "predicate", predicate)
     if dtypes.name(on_true.dtype) in ("tfloat32", "int32", "uint32"):
         raise rule(instr, "on_true", "tfloat32/int32/uint32 are not supported", dtype=dtypes.name(on_true.dtype))
-    if not _is_int(predicate):
+    if not operands.is_int(predicate):
         raise rule(instr, "predicate", "must be an integer tile", dtype=dtypes.name(predicate.dtype))
     parts = on_true.partition_size
-    fallback = _scalar_or_vector(on_false, instr, "on_false", parts, "vector")
-    mask = _rows(predicate) != 0
+    fallback = operands.scalar_or_vector(on_false, instr, "on_false", parts, "vector")
+    mask = operands.rows(predicate) != 0
     if reverse_pred:
         mask = ~mask
-    chosen = np.where(mask, _rows(on_true), fallback).astype(np.float32)
+    chosen = np.where(mask, operands.rows(on_true), fallback).astype(np.float32)
     dst.write(chosen.reshape(dst.shape), instr)
     run = runtime.current()
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, chosen, None, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
-    run.record("vector", "select_reduce", reads=_reads(predicate=predicate, on_true=on_true, on_false=on_false),
-               writes=_reads(dst=dst, reduce_res=reduce_res))
+    run.record("vector", "select_reduce", reads=operands.reads(predicate=predicate, on_true=on_true, on_false=on_false),
+               writes=operands.reads(dst=dst, reduce_res=reduce_res))
 
 
 def _eight(instr: str, dst: Tensor, src: Tensor) -> None:
-    if not MAX8_MIN <= src.free_size <= MAX8_MAX:
+    if not operands.MAX8_MIN <= src.free_size <= operands.MAX8_MAX:
         raise rule(instr, "src", "needs 8 to 16384 elements per partition", free_elements=src.free_size)
     if dst.partition_size != src.partition_size or dst.free_size != 8:
         raise rule(instr, "dst", "must have shape (partitions, 8)", dst=list(dst.shape))
@@ -1096,9 +909,9 @@ def _eight(instr: str, dst: Tensor, src: Tensor) -> None:
 def max8(dst: Tensor, src: Tensor, name: str | None = None) -> None:
     """The 8 largest values of each partition, in descending order."""
     instr = "nisa.max8"
-    dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
+    dst, src = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(src, instr, "src", "vector")
     _eight(instr, dst, src)
-    values = -np.sort(-_rows(src).astype(np.float32, copy=False), axis=1)[:, :8]
+    values = -np.sort(-operands.rows(src).astype(np.float32, copy=False), axis=1)[:, :8]
     dst.write(values.reshape(dst.shape), instr)
     runtime.current().record("vector", "max8", reads=[("src", src)], writes=[("dst", dst)])
 
@@ -1111,14 +924,14 @@ def _find_first(data: np.ndarray, vals: np.ndarray) -> np.ndarray:
 def nc_find_index8(dst: Tensor, data: Tensor, vals: Tensor, name: str | None = None) -> None:
     """Index of the first occurrence of each of 8 values in each partition of ``data``."""
     instr = "nisa.nc_find_index8"
-    dst = _compute_tile(dst, instr, "dst", "vector")
-    data, vals = _compute_tile(data, instr, "data", "vector"), _compute_tile(vals, instr, "vals", "vector")
+    dst = operands.compute_tile(dst, instr, "dst", "vector")
+    data, vals = operands.compute_tile(data, instr, "data", "vector"), operands.compute_tile(vals, instr, "vals", "vector")
     _eight(instr, dst, data)
     if dtypes.name(dst.dtype) not in ("uint16", "uint32"):
         raise rule(instr, "dst", "must be uint16 or uint32", dtype=dtypes.name(dst.dtype))
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
-    found = _find_first(_rows(data).astype(np.float32, copy=False), _rows(vals).astype(np.float32, copy=False))
+    found = _find_first(operands.rows(data).astype(np.float32, copy=False), operands.rows(vals).astype(np.float32, copy=False))
     dst.write(found.reshape(dst.shape), instr)
     runtime.current().record("vector", "nc_find_index8", reads=[("data", data), ("vals", vals)], writes=[("dst", dst)])
 
@@ -1127,13 +940,13 @@ def nc_match_replace8(dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_i
                       name: str | None = None) -> None:
     """Replace the first occurrence of each of 8 values with ``imm`` (and report where)."""
     instr = "nisa.nc_match_replace8"
-    dst = _compute_tile(dst, instr, "dst", "vector")
-    data, vals = _compute_tile(data, instr, "data", "vector"), _compute_tile(vals, instr, "vals", "vector")
-    _same_layout(instr, "dst", dst, "data", data)
+    dst = operands.compute_tile(dst, instr, "dst", "vector")
+    data, vals = operands.compute_tile(data, instr, "data", "vector"), operands.compute_tile(vals, instr, "vals", "vector")
+    operands.same_layout(instr, "dst", dst, "data", data)
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
-    rows = _rows(data).astype(np.float32, copy=False).copy()
-    targets = _rows(vals).astype(np.float32, copy=False)
+    rows = operands.rows(data).astype(np.float32, copy=False).copy()
+    targets = operands.rows(vals).astype(np.float32, copy=False)
     index = np.zeros(targets.shape, dtype=np.int64)
     lanes = np.arange(rows.shape[0])
     # One value at a time, each searching the row as already replaced: a value repeated in
@@ -1146,23 +959,23 @@ def nc_match_replace8(dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_i
         rows[lanes[found], first[found]] = np.float32(imm)
     dst.write(rows.reshape(dst.shape), instr)
     if dst_idx is not None:
-        dst_idx = _compute_tile(dst_idx, instr, "dst_idx", "vector")
+        dst_idx = operands.compute_tile(dst_idx, instr, "dst_idx", "vector")
         dst_idx.write(index.reshape(dst_idx.shape), instr)
     runtime.current().record("vector", "nc_match_replace8", reads=[("data", data), ("vals", vals)],
-                             writes=_reads(dst=dst, dst_idx=dst_idx))
+                             writes=operands.reads(dst=dst, dst_idx=dst_idx))
 
 
 def nc_n_gather(dst: Tensor, data: Tensor, indices: Tensor, name: str | None = None) -> None:
     """Per-partition gather from the flattened free dims of ``data`` (GpSimd)."""
     instr = "nisa.nc_n_gather"
-    dst = _compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
-    data = _compute_tile(data, instr, "data", "gpsimd", ("sbuf",))
-    indices = _compute_tile(indices, instr, "indices", "gpsimd", ("sbuf",))
+    dst = operands.compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
+    data = operands.compute_tile(data, instr, "data", "gpsimd", ("sbuf",))
+    indices = operands.compute_tile(indices, instr, "indices", "gpsimd", ("sbuf",))
     if dtypes.name(indices.dtype) != "uint32":
         raise rule(instr, "indices", "must be uint32", dtype=dtypes.name(indices.dtype))
     if data.dtype != dst.dtype:
         raise rule(instr, "dst", "must have data's dtype", dst=dtypes.name(dst.dtype), data=dtypes.name(data.dtype))
-    _same_layout(instr, "dst", dst, "indices", indices)
+    operands.same_layout(instr, "dst", dst, "indices", indices)
     idx = np.asarray(indices.read()).reshape(indices.partition_size, -1).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= data.free_size):
         raise rule(instr, "indices", "out of range of data's elements per partition",
@@ -1175,7 +988,7 @@ def nc_n_gather(dst: Tensor, data: Tensor, indices: Tensor, name: str | None = N
 def nc_stream_shuffle(dst: Tensor, src: Tensor, shuffle_mask: Sequence[int], name: str | None = None) -> None:
     """Move partitions within each 32-partition quadrant: ``dst[i] = src[mask[i]]`` (255 keeps dst)."""
     instr = "nisa.nc_stream_shuffle"
-    dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
+    dst, src = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(src, instr, "src", "vector")
     if dst.dtype != src.dtype or dst.free_size != src.free_size:
         raise rule(instr, "dst", "must match src's dtype and elements per partition")
     mask = [int(m) for m in shuffle_mask]
@@ -1197,12 +1010,12 @@ def nc_stream_shuffle(dst: Tensor, src: Tensor, shuffle_mask: Sequence[int], nam
 def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
     """Per partition: (count, mean, var*count) of the even and of the odd elements (≤512 per call)."""
     instr = "nisa.bn_stats"
-    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
-    if data.free_size > BN_STATS_FMAX:
-        raise rule(instr, "data", "free size exceeds bn_stats_fmax", free_elements=data.free_size, limit=BN_STATS_FMAX)
+    dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
+    if data.free_size > operands.BN_STATS_FMAX:
+        raise rule(instr, "data", "free size exceeds bn_stats_fmax", free_elements=data.free_size, limit=operands.BN_STATS_FMAX)
     if dst.partition_size != data.partition_size or dst.free_size != 6:
         raise rule(instr, "dst", "must hold 6 statistics per partition", dst=list(dst.shape))
-    rows = _rows(data).astype(np.float32, copy=False)
+    rows = operands.rows(data).astype(np.float32, copy=False)
     out = []
     for half in (rows[:, 0::2], rows[:, 1::2]):
         count = np.float32(half.shape[1])
@@ -1216,12 +1029,12 @@ def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
 def bn_aggr(dst: Tensor, data: Tensor, name: str | None = None) -> None:
     """Combine (count, mean, var*count) triples into a mean and a (population) variance per partition."""
     instr = "nisa.bn_aggr"
-    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
+    dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
     if data.free_size % 3:
         raise rule(instr, "data", "elements per partition must be a multiple of 3", free_elements=data.free_size)
     if dst.partition_size != data.partition_size or dst.free_size != 2:
         raise rule(instr, "dst", "must hold (mean, variance) per partition", dst=list(dst.shape))
-    triples = _rows(data).astype(np.float32, copy=False).reshape(data.partition_size, -1, 3)
+    triples = operands.rows(data).astype(np.float32, copy=False).reshape(data.partition_size, -1, 3)
     count, mean, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
     total = count.sum(axis=1)
     with np.errstate(all="ignore"):
@@ -1238,19 +1051,19 @@ def exponential(dst: Tensor, src: Tensor, max_value: Any = 0.0, reduce_res: Tens
     run = runtime.current()
     if not run.target.has_exponential:
         raise rule(instr, "target", "exponential needs NeuronCore-v4 (trn3)", target=run.target.name)
-    dst, src = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(src, instr, "src", "vector")
-    _same_layout(instr, "dst", dst, "src", src)
+    dst, src = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(src, instr, "src", "vector")
+    operands.same_layout(instr, "dst", dst, "src", src)
     parts = src.partition_size
-    shift = _scalar_or_vector(max_value, instr, "max_value", parts, "vector")
+    shift = operands.scalar_or_vector(max_value, instr, "max_value", parts, "vector")
     with np.errstate(all="ignore"):
-        values = np.exp(_rows(src).astype(np.float32, copy=False) - shift).astype(np.float32)
+        values = np.exp(operands.rows(src).astype(np.float32, copy=False) - shift).astype(np.float32)
     dst.write(values.reshape(dst.shape), instr)
     if _CMD(reduce_cmd) != _CMD.idle:
         _accumulate(run.vector_accumulator, parts, reduce_cmd, _OPS["add"],
                     np.asarray(values, dtype=np.float32), reduce_init, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
-    run.record("vector", "exponential", reads=_reads(src=src, max_value=max_value),
-               writes=_reads(dst=dst, reduce_res=reduce_res))
+    run.record("vector", "exponential", reads=operands.reads(src=src, max_value=max_value),
+               writes=operands.reads(dst=dst, reduce_res=reduce_res))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1261,9 +1074,9 @@ def rng(dst: Tensor, engine: engine = engine.unknown, name: str | None = None) -
     instr = "nisa.rng"
     run = runtime.current()
     allowed = ("vector",) if run.target.generation == 2 else ("vector", "gpsimd")
-    eng = _engine(engine, instr, allowed, "vector")
-    dst = _compute_tile(dst, instr, "dst", eng)
-    if not _is_int(dst):
+    eng = operands.engine_for(engine, instr, allowed, "vector")
+    dst = operands.compute_tile(dst, instr, "dst", eng)
+    if not operands.is_int(dst):
         raise rule(instr, "dst", "must be an integer tile", dtype=dtypes.name(dst.dtype))
     bits = run.rng.integers(0, 2**32, size=dst.shape, dtype=np.uint64)
     dst.write((bits & np.uint64((1 << (8 * dtypes.itemsize(dst.dtype))) - 1)).astype(dtypes.storage(dst.dtype)), instr)
@@ -1273,7 +1086,7 @@ def rng(dst: Tensor, engine: engine = engine.unknown, name: str | None = None) -
 def set_rng_seed(src_seeds: Tensor, name: str | None = None) -> None:
     """Seed the VectorE generator from a [1, 1] 32-bit tile."""
     instr = "nisa.set_rng_seed"
-    src_seeds = _compute_tile(src_seeds, instr, "src_seeds", "vector")
+    src_seeds = operands.compute_tile(src_seeds, instr, "src_seeds", "vector")
     if src_seeds.size != 1 or dtypes.itemsize(src_seeds.dtype) != 4:
         raise rule(instr, "src_seeds", "must be a [1, 1] 32-bit tile", shape=list(src_seeds.shape),
                    dtype=dtypes.name(src_seeds.dtype))
@@ -1289,31 +1102,31 @@ def rand2(dst: Tensor, min: Any, max: Any, name: str | None = None) -> None:
     run = runtime.current()
     if run.target.generation < 4:
         raise rule(instr, "target", "rand2 needs NeuronCore-v4 (trn3)", target=run.target.name)
-    dst = _compute_tile(dst, instr, "dst", "vector")
+    dst = operands.compute_tile(dst, instr, "dst", "vector")
     parts = dst.partition_size
-    lo = _scalar_or_vector(min, instr, "min", parts, "vector")
-    hi = _scalar_or_vector(max, instr, "max", parts, "vector")
+    lo = operands.scalar_or_vector(min, instr, "min", parts, "vector")
+    hi = operands.scalar_or_vector(max, instr, "max", parts, "vector")
     if np.any(np.asarray(lo) >= np.asarray(hi)):
         raise rule(instr, "min/max", "min must be below max")
     values = lo + (hi - lo) * run.rng.random((parts, dst.free_size), dtype=np.float32)
     dst.write(values.reshape(dst.shape), instr)
-    run.record("vector", "rand2", reads=_reads(min=min, max=max), writes=[("dst", dst)])
+    run.record("vector", "rand2", reads=operands.reads(min=min, max=max), writes=[("dst", dst)])
 
 
 def dropout(dst: Tensor, data: Tensor, prob: Any, name: str | None = None) -> None:
     """Zero each element with probability ``prob`` (scalar or [P, 1]); kept values are unscaled."""
     instr = "nisa.dropout"
-    dst, data = _compute_tile(dst, instr, "dst", "vector"), _compute_tile(data, instr, "data", "vector")
-    _same_layout(instr, "dst", dst, "data", data)
+    dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
+    operands.same_layout(instr, "dst", dst, "data", data)
     if dst.dtype != data.dtype:
         raise rule(instr, "dst", "must have data's dtype", dst=dtypes.name(dst.dtype), data=dtypes.name(data.dtype))
     parts = data.partition_size
-    p = _scalar_or_vector(prob, instr, "prob", parts, "vector")
+    p = operands.scalar_or_vector(prob, instr, "prob", parts, "vector")
     run = runtime.current()
     keep = run.rng.random((parts, data.free_size), dtype=np.float32) >= p
     rows = np.asarray(data.read()).reshape(parts, -1)
     dst.write(np.where(keep, rows, np.zeros((), rows.dtype)).reshape(dst.shape), instr)
-    run.record("vector", "dropout", reads=_reads(data=data, prob=prob), writes=[("dst", dst)])
+    run.record("vector", "dropout", reads=operands.reads(data=data, prob=prob), writes=[("dst", dst)])
 
 
 def dma_compute(dst: Tensor, srcs: Sequence[Tensor], reduce_op: Any, scales: Sequence[float] | None = None,
@@ -1327,12 +1140,12 @@ def dma_compute(dst: Tensor, srcs: Sequence[Tensor], reduce_op: Any, scales: Seq
         raise rule(instr, "scales", "all scales must be 1.0", scales=list(scales))
     if not 1 <= len(srcs) <= 16:
         raise rule(instr, "srcs", "takes 1 to 16 source tensors", count=len(srcs))
-    dst = _tile(dst, instr, "dst")
-    _where(dst, instr, "dst", ("hbm", "sbuf"))
+    dst = operands.tile(dst, instr, "dst")
+    operands.where(dst, instr, "dst", ("hbm", "sbuf"))
     total = np.zeros(dst.size, dtype=np.float32)
     for i, src in enumerate(srcs):
-        src = _tile(src, instr, f"srcs[{i}]")
-        _where(src, instr, f"srcs[{i}]", ("hbm", "sbuf"))
+        src = operands.tile(src, instr, f"srcs[{i}]")
+        operands.where(src, instr, f"srcs[{i}]", ("hbm", "sbuf"))
         if src.size != dst.size:
             raise rule(instr, f"srcs[{i}]", "element count differs from dst", src=list(src.shape), dst=list(dst.shape))
         total = total + dtypes.to_engine(np.asarray(src.read())).reshape(-1)
@@ -1376,14 +1189,14 @@ def register_move(dst: VirtualRegister, src: int | VirtualRegister) -> None:
 
 
 def register_load(dst: VirtualRegister, src: Tensor) -> None:
-    src = _tile(src, "nisa.register_load", "src")
+    src = operands.tile(src, "nisa.register_load", "src")
     if src.size != 1:
         raise rule("nisa.register_load", "src", "must hold exactly one element", shape=list(src.shape))
     dst.value = int(np.asarray(dtypes.to_engine(np.asarray(src.read()))).reshape(-1)[0])
 
 
 def register_store(dst: Tensor, src: VirtualRegister) -> None:
-    dst = _tile(dst, "nisa.register_store", "dst")
+    dst = operands.tile(dst, "nisa.register_store", "dst")
     if dst.size != 1:
         raise rule("nisa.register_store", "dst", "must hold exactly one element", shape=list(dst.shape))
     dst.write(np.full(dst.shape, int(src)), "nisa.register_store")

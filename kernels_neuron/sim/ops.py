@@ -12,6 +12,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import frontend
+from .errors import rule
+
 Array = np.ndarray
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -28,7 +31,7 @@ class Op:
     start value when the operator reduces.
     """
 
-    __slots__ = ("name", "binary", "unary", "kind", "identity", "language_fn")
+    __slots__ = ("name", "binary", "unary", "kind", "identity")
 
     def __init__(self, name: str, *, binary: Callable[[Array, Array], Array] | None = None,
                  unary: Callable[[Array], Array] | None = None, kind: str = "arith",
@@ -38,12 +41,10 @@ class Op:
         self.unary = unary
         self.kind = kind
         self.identity = identity
-        self.language_fn: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.language_fn is None:
-            raise TypeError(f"nl.{self.name} cannot be called directly; pass it as an instruction's op")
-        return self.language_fn(*args, **kwargs)
+        """``nl.exp(x)``, ``nl.add(a, b)``: the element-wise ``nki.language`` function of the operator."""
+        return frontend.language().apply_operator(self, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"nl.{self.name}"
@@ -179,6 +180,4 @@ def as_activation(op: Any, instruction: str, role: str = "op") -> Op:
 
 
 def _bad_op(instruction: str, role: str, op: Any, wanted: str) -> Exception:
-    from .errors import rule
-
     return rule(instruction, role, f"{op!r} is not {wanted}")

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import dtypes
-from .errors import NkiValidationError, SimulatorUnsupported, rule
+from . import dtypes, frontend
+from .errors import NkiValidationError, rule
 from .runtime import Buffer, region_of
 from .trace import Region
 
@@ -221,9 +221,7 @@ class Tensor:
         return Tensor(self._buf, self._view[self._normalize_key(key) + (Ellipsis,)], self._dtype)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        from . import language  # the assignment is a real instruction: copy or memset
-
-        language._assign(self[key], value)
+        frontend.language()._assign(self[key], value)  # a real instruction: copy or memset
 
     def _normalize_key(self, key: Any) -> tuple:
         if not isinstance(key, tuple):
@@ -423,9 +421,7 @@ class Tensor:
 
     # -- arithmetic sugar (each is a real instruction, see nki.language) ---------------------
     def _binary(self, other: Any, op: str, reverse: bool = False) -> "Tensor":
-        from . import language
-
-        fn = getattr(language, op)
+        fn = getattr(frontend.language(), op)
         return fn(other, self) if reverse else fn(self, other)
 
     def __add__(self, o): return self._binary(o, "add")
@@ -446,14 +442,10 @@ class Tensor:
     def __xor__(self, o): return self._binary(o, "bitwise_xor")
 
     def __neg__(self):
-        from . import language
-
-        return language.negative(self)
+        return frontend.language().negative(self)
 
     def __iadd__(self, other: Any) -> "Tensor":
-        from . import language
-
-        language._accumulate_into(self, other)
+        frontend.language()._accumulate_into(self, other)
         return self
 
     __hash__ = object.__hash__
@@ -536,12 +528,3 @@ def _scalar_value(x: Any) -> int:
     if hasattr(x, "value"):
         return int(x.value)
     return int(x)
-
-
-def unsupported(name: str) -> Any:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        raise SimulatorUnsupported(f"{name} is part of the NKI API but the kernels-neuron simulator does not run it")
-
-    call.__name__ = name.rsplit(".", 1)[-1]
-    call.__doc__ = f"Not executed by the simulator: calling it raises SimulatorUnsupported."
-    return call

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import sys
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from . import dtypes, isa, ops, runtime
+from . import dtypes, frontend, isa, operands, ops, runtime
 from .dtypes import (  # noqa: F401  (re-exported: nl.float32 etc.)
     bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4, float8_e5m2,
     float8_e5m2_x4, float16, float32, int8, int16, int32, tfloat32, uint8, uint16, uint32,
@@ -63,7 +64,7 @@ class _TileSizeMeta(type):
 
     @property
     def bn_stats_fmax(cls) -> int:
-        return isa.BN_STATS_FMAX
+        return operands.BN_STATS_FMAX
 
     @property
     def psum_min_align(cls) -> int:
@@ -404,27 +405,23 @@ def _binary(op: ops.Op, x: Any, y: Any, dtype: Any = None) -> Any:
     return out
 
 
-def _make_unary(op: ops.Op):
-    def fn(x: Tensor, dtype: Any = None) -> Tensor:
-        return _unary(op, x, dtype)
-
-    fn.__name__ = op.name
-    fn.__doc__ = f"Element-wise ``{op.name}`` of a tile into a new SBUF tile."
-    return fn
+# Operators that compute on one tile although they also have a binary ALU form.
+_UNARY_FORMS = ("abs", "rsqrt", "reciprocal")
 
 
-def _make_binary(op: ops.Op):
-    def fn(x: Any, y: Any, dtype: Any = None) -> Any:
-        return _binary(op, x, y, dtype)
-
-    fn.__name__ = op.name
-    fn.__doc__ = f"Element-wise ``{op.name}`` of two tiles (or a tile and a scalar / [P, 1] column)."
-    return fn
+def apply_operator(op: ops.Op, x: Any, *rest: Any, dtype: Any = None) -> Any:
+    """Calling an operator object: ``nl.exp(x)`` is an element-wise unary into a new SBUF tile,
+    ``nl.add(a, b)`` a binary of two tiles (or a tile and a scalar / [P, 1] column)."""
+    if op.binary is None or op.name in _UNARY_FORMS:
+        if len(rest) > 1:
+            raise TypeError(f"nl.{op.name} takes one tile (and dtype=), got {1 + len(rest)} positional arguments")
+        return _unary(op, x, rest[0] if rest else dtype)
+    if len(rest) not in (1, 2):
+        raise TypeError(f"nl.{op.name} takes two operands (and dtype=), got {1 + len(rest)} positional arguments")
+    return _binary(op, x, rest[0], rest[1] if len(rest) == 2 else dtype)
 
 
 for _op in ops.ALL.values():
-    _op.language_fn = _make_unary(_op) if (_op.binary is None or _op.name in ("abs", "rsqrt", "reciprocal")) \
-        else _make_binary(_op)
     globals()[_op.name] = _op
 del _op
 
@@ -509,3 +506,6 @@ def broadcast_to(x: Tensor, shape: Sequence[int], dtype: Any = None) -> Tensor:
     if dtype is not None and dtypes.canonical(dtype) != x.dtype:
         x = _to_sbuf(x, dtype)
     return x.broadcast_to(shape)
+
+
+frontend.register(sys.modules[__name__])
