@@ -34,7 +34,7 @@ def small_tile_chain(x):
     """SMALL_OPS dependent VectorE/ScalarE instructions on one 128x64 fp32 tile."""
     tile = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=tile, src=x)
-    for i in range(SMALL_OPS // 2):
+    for _ in range(SMALL_OPS // 2):
         nisa.tensor_scalar(dst=tile, data=tile, op0=nl.multiply, operand0=1.0, op1=nl.add, operand1=0.0)
         nisa.activation(dst=tile, op=nl.copy, data=tile)
     out = nl.ndarray((128, 64), nl.float32, buffer=nl.shared_hbm)

@@ -96,9 +96,8 @@ def config(**overrides):
 
 def train(kernelized: bool, steps: int) -> tuple[list[float], object]:
     """``SFTTrainer`` with its default precision on a fresh model: the losses per step, and the trainer."""
-    from trl import SFTTrainer
-
     from transformers import PrinterCallback
+    from trl import SFTTrainer
 
     trainer = SFTTrainer(model=model(kernelized), args=config(max_steps=steps), train_dataset=dataset(),
                          processing_class=tokenizer())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -26,8 +26,8 @@ def _examples(args: argparse.Namespace) -> int:
     workflow example (``sft``)."""
     if args.workflow == "sft":
         return _example_module("sft").main(["--steps", str(args.steps)] + (["--no-fsdp"] if args.no_fsdp else []))
-    import numpy as np
     import ml_dtypes
+    import numpy as np
 
     from kernels_neuron import sim
 
@@ -92,25 +92,10 @@ def _example_module(name: str):
     return module
 
 
-def _load_suite():
-    """The cases of ``benchmarks/suite.py`` (the checkout's, or the copy an installed wheel carries)."""
-    from kernels_neuron.paths import BENCHMARKS_DIR
-
-    if not (BENCHMARKS_DIR / "suite.py").is_file():
-        raise SystemExit(f"kernels-neuron bench: the suite {BENCHMARKS_DIR / 'suite.py'} was not found")
-    root = str(BENCHMARKS_DIR.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from benchmarks.suite import CASES
-
-    return CASES
-
-
 def _bench(args: argparse.Namespace) -> int:
     """Simulate and model every suite case; print the table, optionally write JSON and a plot."""
     from kernels_neuron import bench
-
-    cases = _load_suite()
+    from kernels_neuron.bench.suite import CASES as cases
     console = Console(width=None if sys.stdout.isatty() else 220)
     try:
         records = bench.run_suite(cases, target=args.target, name_filter=args.filter, progress=sys.stderr.isatty())
@@ -177,7 +162,8 @@ def _install(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     """The registry: each layer's repo, kernel layer, modes, what it replaces, what a module must be, build status."""
-    from kernels_neuron import hub, registry as registry_module
+    from kernels_neuron import hub
+    from kernels_neuron import registry as registry_module
     from kernels_neuron.integration import layer_limits
 
     reg = registry_module.load()

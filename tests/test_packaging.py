@@ -30,7 +30,7 @@ def test_the_wheel_carries_what_a_checkout_keeps_at_its_root_and_leaves_build_cl
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "kernels_neuron/_data/registry.toml" in names
     assert {f"kernels_neuron/_data/build/{p}" for p in hub.build_tree()} <= names
-    assert {"kernels_neuron/_data/benchmarks/suite.py", "kernels_neuron/_data/examples/sft.py",
+    assert {"kernels_neuron/bench/suite.py", "kernels_neuron/_data/examples/sft.py",
             "nki_src/attention.py", "kernels_neuron/ops/attention_launches.py"} <= names
     assert not any("__pycache__" in n for n in names)
     assert hub.stale() == [] and not (paths.BUILD_DIR / "lib").exists()  # no scratch folder in build/
@@ -56,7 +56,7 @@ def test_installed_from_the_wheel_list_install_demo_and_kernelize_work(wheel, tm
         codes = {{}}
         with contextlib.redirect_stdout(io.StringIO()) as out:
             for args in (["list"], ["install", "--cache", {str(tmp_path / "cache")!r}], ["demo"], ["build"],
-                         ["build", "--check"]):
+                         ["build", "--check"], ["bench", "--filter", "decode128"]):
                 codes[" ".join(args[:1] if args[0] == "install" else args)] = cli.main(args)
         model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                              num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
@@ -69,6 +69,7 @@ def test_installed_from_the_wheel_list_install_demo_and_kernelize_work(wheel, tm
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(result["file"]).is_relative_to(environment) and result["checkout"] is False
-    assert result["codes"] == {"list": 0, "install": 0, "demo": 0, "build": 2, "build --check": 0}
+    assert result["codes"] == {"list": 0, "install": 0, "demo": 0, "build": 2, "build --check": 0,
+                               "bench --filter decode128": 0}
     assert result["demo"] and result["read_only"] and result["swapped"] == 5
     assert (tmp_path / "cache" / "kernels--kernels-neuron--neuron-rmsnorm" / "refs" / "v1").is_file()

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Case:
-    """One kernel on one shape from a real model, beside the reference op it replaces.
+    """One kernel on one shape from a real model, beside the PyTorch computation it replaces.
 
-    ``make_inputs(seed)`` returns the kernel's positional arguments as NumPy arrays (the same
-    arrays feed the reference after conversion to torch); ``reference`` computes the same result
-    with PyTorch ops; ``kwargs`` are passed to the kernel unchanged.
+    ``make_inputs(seed)`` returns the kernel's positional arguments (arrays as NumPy arrays);
+    ``kwargs`` are passed to the kernel unchanged. ``prepare_reference`` takes exactly the kernel's
+    arguments and keyword arguments, with the arrays as torch tensors, and returns the call a device
+    timing loop repeats: the PyTorch computation the kernel replaces, returning what the kernel
+    returns (the leading outputs, where the kernel also returns state saved for a backward). Work
+    that is not part of that computation (a backward's forward graph) is done before it returns.
     """
 
     name: str
@@ -22,7 +26,7 @@ class Case:
     dtype: str
     model: str
     reference_name: str
-    reference: Callable[..., Any]
+    prepare_reference: Callable[..., Callable[[], Any]]
     kwargs: dict[str, Any] = field(default_factory=dict)
     grid: Any = None
     # The FLOPs the field reports for this op (e.g. attention's 4*Sq*Sk*d, halved when causal);

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import numpy as np
 
 from .. import cost, sim
+from ..sim.dtypes import numpy_to_torch
 from .case import Case, Record
+
+NEURON_DEVICE = "neuron"
 
 DEVICE_WARMUP = 3
 DEVICE_ITERATIONS = 20
@@ -43,14 +50,24 @@ def _time_on_device(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - start) / DEVICE_ITERATIONS * 1e6
 
 
-def _measure(case: Case, inputs: tuple) -> tuple[float, float]:
-    import torch
+def torch_inputs(inputs: tuple, device: str) -> tuple:
+    """The case's NumPy inputs as torch tensors on ``device`` (bf16 through its bits, which
+    ``torch.as_tensor`` cannot read); other arguments unchanged."""
+    return tuple(numpy_to_torch(x).to(device) if isinstance(x, np.ndarray) else x for x in inputs)
 
-    device_inputs = [torch.as_tensor(x).to("neuron") if hasattr(x, "shape") else x for x in inputs]
+
+def device_calls(case: Case, inputs: tuple, device: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The two calls a device timing loop repeats, on ``device``: the kernel (through NKI's torch
+    interface) and the PyTorch computation it replaces. On the CPU the kernel runs on the simulator,
+    which is how the tests check both calls without a Trainium host."""
+    args = torch_inputs(inputs, device)
     kernel = case.kernel[case.grid] if case.grid is not None else case.kernel
-    measured = _time_on_device(lambda: kernel(*device_inputs, **case.kwargs))
-    reference = _time_on_device(lambda: case.reference(*device_inputs, **case.kwargs))
-    return measured, reference
+    return partial(kernel, *args, **case.kwargs), case.prepare_reference(*args, **case.kwargs)
+
+
+def _measure(case: Case, inputs: tuple) -> tuple[float, float]:
+    kernel, reference = device_calls(case, inputs, NEURON_DEVICE)
+    return _time_on_device(kernel), _time_on_device(reference)
 
 
 def run_case(case: Case, target: str = "trn2", seed: int = 0, on_device: bool | None = None) -> Record:

@@ -18,7 +18,8 @@ True
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..sim import run as _simulate
 from ..sim.trace import Instruction, Trace

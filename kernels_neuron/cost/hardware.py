@@ -3,7 +3,7 @@
 Each constant names its source. "NKI-NOTES" is ``shared/NKI-NOTES.md``, a digest of AWS's
 Neuron documentation (architecture guides, NKI performance guide, ISA reference). Values
 marked *calibrated* were fitted to AWS's published Trn1 matmul-tutorial latencies (see
-``benchmarks/calibration.py`` and the README's calibration table); values marked *assumed*
+``kernels_neuron/bench/calibration.py`` and the README's calibration table); values marked *assumed*
 have no published source and are the model's own estimate.
 """
 

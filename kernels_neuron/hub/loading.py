@@ -60,7 +60,7 @@ def check_before_loading(reg: Registry) -> None:
         if folder is not None:
             _once(("verify", folder), [folder], lambda folder=folder: verify_repo(folder))
     if paths.IS_CHECKOUT and paths.BUILD_DIR.is_dir():
-        sources = [paths.PACKAGE_DIR, paths.NKI_DIR, paths.REGISTRY_PATH, paths.BENCHMARKS_DIR / "hub", paths.BUILD_DIR]
+        sources = [paths.PACKAGE_DIR, paths.NKI_DIR, paths.REGISTRY_PATH, paths.HUB_BENCHMARKS_DIR, paths.BUILD_DIR]
         _once("stale", sources, _warn_if_stale)
 
 

@@ -27,7 +27,6 @@ from .modes import MODE_NAMES, mode_name
 from .report import ReportRow
 from .repos import ensure_local_kernels, pinned_version
 
-
 ATTENTION_LAYER = "attention"
 _ORIGINAL_ATTENTION = "_kernels_neuron_original_attention"  # set on each attention module by kernelize
 

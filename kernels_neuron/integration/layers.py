@@ -96,7 +96,7 @@ def _hook_module_classes(module: types.ModuleType, reg: Registry) -> None:
 class _HookingLoader(importlib.abc.Loader):
     """Runs a module's own loader, then hooks the registry's classes in it."""
 
-    def __init__(self, loader: Any, finder: "_TransformersHook") -> None:
+    def __init__(self, loader: Any, finder: _TransformersHook) -> None:
         self._loader, self._finder = loader, finder
 
     def create_module(self, spec):

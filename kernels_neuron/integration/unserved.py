@@ -9,7 +9,6 @@ from torch import nn
 from .attention import attention_modules
 from .report import ReportRow
 
-
 # Kinds of module the hub has no kernel for yet, by class name, so that the report can say so
 # rather than leave them out: (what the name ends with, the kind, why).
 _UNSERVED_KINDS = (

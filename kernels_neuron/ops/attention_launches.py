@@ -27,8 +27,9 @@ When everything fits (every case the kernel took before), the plan is the one la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ class Launch:
     k1: int
     causal: bool
     window: int
-    segments: Optional[tuple[tuple[int, int], ...]] = None
+    segments: tuple[tuple[int, int], ...] | None = None
     bias_window: int = 0
 
 
@@ -91,7 +92,7 @@ class Capacity:
         return queries, keys
 
 
-def plan(sq: int, sk: int, causal: bool, window: int, segments: Optional[tuple[tuple[int, int], ...]],
+def plan(sq: int, sk: int, causal: bool, window: int, segments: tuple[tuple[int, int], ...] | None,
          capacity: Capacity, backward: bool) -> list[Launch]:
     """The launches that together compute attention of ``sq`` queries over ``sk`` keys."""
     if segments is None:
@@ -159,8 +160,8 @@ def _window_bias(launch: Launch, offset: int, device: torch.device) -> torch.Ten
     return torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))[None, None]
 
 
-def _block_bias(bias: Optional[torch.Tensor], launch: Launch, offset: int,
-                device: torch.device) -> Optional[torch.Tensor]:
+def _block_bias(bias: torch.Tensor | None, launch: Launch, offset: int,
+                device: torch.device) -> torch.Tensor | None:
     piece = None if bias is None else bias[:, :, launch.q0:launch.q1, launch.k0:launch.k1]
     if launch.bias_window:
         window = _window_bias(launch, offset, device)
@@ -173,8 +174,8 @@ def _block(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 
 def forward(kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            bias: Optional[torch.Tensor], scale: float, causal: bool, window: int, softcap: float,
-            segments: Optional[tuple[tuple[int, int], ...]], kernels: Any,
+            bias: torch.Tensor | None, scale: float, causal: bool, window: int, softcap: float,
+            segments: tuple[tuple[int, int], ...] | None, kernels: Any,
             no_key_lse: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the whole attention from launches of ``kernel`` (the NKI forward)."""
     sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
@@ -198,8 +199,8 @@ def forward(kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def backward(kernel: Callable[..., Any], grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, lse: torch.Tensor, bias: Optional[torch.Tensor], scale: float, causal: bool,
-             window: int, softcap: float, segments: Optional[tuple[tuple[int, int], ...]],
+             out: torch.Tensor, lse: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool,
+             window: int, softcap: float, segments: tuple[tuple[int, int], ...] | None,
              kernels: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from launches of ``kernel`` (the NKI backward), each against the final out and lse."""
     sq, sk, d = q.shape[2], k.shape[2], q.shape[3]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Optional, Union
 
 import torch
 
@@ -29,10 +28,10 @@ _OP = "flash_attn_forward"
 
 # --- transformers' attention function -------------------------------------------------------------------
 
-def unsupported_reasons(module: Optional[torch.nn.Module] = None, training: bool = False,
-                        query: Optional[torch.Tensor] = None, key: Optional[torch.Tensor] = None,
-                        value: Optional[torch.Tensor] = None, dropout: float = 0.0,
-                        s_aux: Optional[torch.Tensor] = None) -> list[str]:
+def unsupported_reasons(module: torch.nn.Module | None = None, training: bool = False,
+                        query: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                        value: torch.Tensor | None = None, dropout: float = 0.0,
+                        s_aux: torch.Tensor | None = None) -> list[str]:
     """Why the kernel cannot serve this transformers attention module (empty when it can); given the
     call's tensors and options, also why it cannot serve that call."""
     reasons = _call_reasons(query, key, value, dropout, s_aux)
@@ -72,14 +71,14 @@ def _call_reasons(query, key, value, dropout, s_aux) -> list[str]:
     return reasons
 
 
-def supports_flash_attn(module: Optional[torch.nn.Module] = None, training: bool = False) -> bool:
+def supports_flash_attn(module: torch.nn.Module | None = None, training: bool = False) -> bool:
     """Whether ``flash_attn_forward`` can serve ``module`` (transformers only checks that this exists)."""
     return not unsupported_reasons(module, training)
 
 
-def flash_attn_forward(module: Optional[torch.nn.Module], query: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                       scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+def flash_attn_forward(module: torch.nn.Module | None, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                       scaling: float | None = None, is_causal: bool | None = None,
                        **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract, with the masks of ``masking_utils.sdpa_mask``.
 
@@ -157,7 +156,7 @@ def _visible(sq: int, sk: int, causal: bool, window: int, device) -> torch.Tenso
     return visible & (j > i - window) if window else visible
 
 
-def _packed_sequences(query, key, attention_mask, causal: bool, window: int, kwargs) -> Optional[torch.Tensor]:
+def _packed_sequences(query, key, attention_mask, causal: bool, window: int, kwargs) -> torch.Tensor | None:
     """cu_seqlens of the sequences packed into a batch of one, when the bool mask is exactly those
     sequences attending within themselves (causal and window as for the model): from transformers'
     ``cu_seq_lens_q/k`` (TRL's padding-free batches), else from ``position_ids`` that restart (as
@@ -199,14 +198,14 @@ def _packed_attention(query, key, value, cu_seqlens, scaling, causal, window, so
     return out.unsqueeze(0)
 
 
-def _padding_runs(mask, sq: int, sk: int, window: int) -> Optional[list[tuple[int, int]]]:
+def _padding_runs(mask, sq: int, sk: int, window: int) -> list[tuple[int, int]] | None:
     """Per batch row the run ``[start, end)`` of keys a padding mask keeps, when the bool mask
     ``[B, 1, Sq, Sk]`` is exactly causal (bottom-right, within ``window``) and those keys; else None."""
     if (mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
             or tuple(mask.shape[2:]) != (sq, sk) or torch.compiler.is_compiling()):
         return None
 
-    def check() -> Optional[list[tuple[int, int]]]:
+    def check() -> list[tuple[int, int]] | None:
         kept = mask[:, 0].any(dim=1)  # [B, Sk]
         if not torch.equal(mask[:, 0], _visible(sq, sk, True, window, mask.device)[None] & kept[:, None, :]):
             return None
@@ -251,7 +250,7 @@ def _causal_with_padded_keys(query, key, value, runs, scaling, window, softcap, 
 
 # --- FlashAttention-2's functions -----------------------------------------------------------------------
 
-def _window(window_size, causal: bool, op: str) -> Optional[int]:
+def _window(window_size, causal: bool, op: str) -> int | None:
     """FA2's ``(left, right)`` window (-1 = unbounded) as the kernel's window (keys per query)."""
     pair = tuple(window_size) if isinstance(window_size, (tuple, list)) else None
     if pair is None or len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair):
@@ -271,9 +270,9 @@ def _unsupported(op: str, **options) -> None:
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                    softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
-                    softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False, s_aux: Optional[torch.Tensor] = None):
+                    softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
+                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                    return_attn_probs: bool = False, s_aux: torch.Tensor | None = None):
     """FA2 ``flash_attn_func``: q ``[B, Sq, H, D]``, k/v ``[B, Sk, Hkv, D]`` -> ``[B, Sq, H, D]``.
 
     With ``return_attn_probs`` returns ``(out, softmax_lse [B, H, Sq], None)``.
@@ -289,10 +288,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
-                           softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
-                           softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                           softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
+                           softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                            deterministic: bool = False, return_attn_probs: bool = False,
-                           s_aux: Optional[torch.Tensor] = None):
+                           s_aux: torch.Tensor | None = None):
     """FA2 ``flash_attn_varlen_func``: packed q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]``.
 
     ``cu_seqlens_q``/``cu_seqlens_k`` are validated as FlashAttention takes them (1-D int32, from 0,
@@ -309,7 +308,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return (out, lse, None) if return_attn_probs else out
 
 
-def _cache_positions(k_cache: torch.Tensor, block_table: Optional[torch.Tensor], b: int,
+def _cache_positions(k_cache: torch.Tensor, block_table: torch.Tensor | None, b: int,
                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cache row, slot) of logical positions of sequence ``b``: a paged cache maps them through ``block_table``."""
     if block_table is None:
@@ -382,15 +381,15 @@ def _check_kvcache(op: str, q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-                            rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
-                            cache_seqlens: Union[int, torch.Tensor, None] = None,
-                            cache_batch_idx: Optional[torch.Tensor] = None,
-                            cache_leftpad: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
-                            softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                            cache_seqlens: int | torch.Tensor | None = None,
+                            cache_batch_idx: torch.Tensor | None = None,
+                            cache_leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                            softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                             softcap: float = 0.0, rotary_interleaved: bool = True,
-                            alibi_slopes: Optional[torch.Tensor] = None, num_splits: int = 0,
-                            return_softmax_lse: bool = False, s_aux: Optional[torch.Tensor] = None):
+                            alibi_slopes: torch.Tensor | None = None, num_splits: int = 0,
+                            return_softmax_lse: bool = False, s_aux: torch.Tensor | None = None):
     """FA2 ``flash_attn_with_kvcache``: q ``[B, Sq, H, D]`` against a KV cache, ``[B, S_cache, Hkv, D]``
     or paged ``[blocks, block_size, Hkv, D]`` with ``block_table [B, max_blocks]``.
 
@@ -431,10 +430,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 outs.append(query.new_zeros((1,) + tuple(query.shape[1:])))
                 lses.append(query.new_full((1, query.shape[1], sq), float("-inf"), dtype=torch.float32))
                 continue
-            o, l = flash_attention(query[b:b + 1], keys[b].transpose(0, 1).unsqueeze(0),
-                                   values[b].transpose(0, 1).unsqueeze(0), return_lse=True, **options)
-            outs.append(o)
-            lses.append(l)
+            seq_out, seq_lse = flash_attention(query[b:b + 1], keys[b].transpose(0, 1).unsqueeze(0),
+                                               values[b].transpose(0, 1).unsqueeze(0), return_lse=True, **options)
+            outs.append(seq_out)
+            lses.append(seq_lse)
         out, lse = torch.cat(outs), torch.cat(lses)
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out

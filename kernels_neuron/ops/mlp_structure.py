@@ -47,7 +47,7 @@ def _chunk_halves(node: ast.AST, env: dict) -> Any:
     return _symbolic(node.func.value, env)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gated_mlp_form(cls: type) -> tuple[str, str] | None:
     """(structure, activation attribute) when ``cls.forward(self, x)`` returns exactly
     ``down_proj(act(gate_proj(x)) * up_proj(x))`` ("gated_mlp") or Phi3's ``gate, up =

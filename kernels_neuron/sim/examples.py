@@ -9,13 +9,12 @@ Import this module after :func:`kernels_neuron.sim.install` (it imports ``nki``)
 
 from __future__ import annotations
 
-from typing import Callable
-
-import numpy as np
+from collections.abc import Callable
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import numpy as np
 
 P = 128  # partitions
 MATMUL_N_TILE = 512  # fp32 columns in one PSUM bank

@@ -8,15 +8,29 @@ the run's trace.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from . import dtypes, operands, runtime
-from .enums import (dge_mode, dma_engine, engine, gpsimd_engine, matmul_perf_mode, nc_version, oob_mode,  # noqa: F401
-                    reduce_cmd, scalar_engine, tensor_engine, unknown_engine, vector_engine)  # (nisa.vector_engine ...)
+from .enums import (  # noqa: F401
+    dge_mode,
+    dma_engine,
+    engine,
+    gpsimd_engine,
+    matmul_perf_mode,
+    nc_version,
+    oob_mode,
+    reduce_cmd,  # (nisa.vector_engine ...)
+    scalar_engine,
+    tensor_engine,
+    unknown_engine,
+    vector_engine,
+)
 from .errors import NkiValidationError, rule, unsupported
-from .ops import ALL as _OPS, BYPASS, Op, as_activation, as_alu
+from .ops import ALL as _OPS
+from .ops import BYPASS, Op, as_activation, as_alu
 from .tensor import Tensor
 
 __all__ = [

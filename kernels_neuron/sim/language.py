@@ -10,14 +10,30 @@ from __future__ import annotations
 import builtins
 import contextlib
 import sys
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import dtypes, frontend, isa, operands, ops, runtime
 from .dtypes import (  # noqa: F401  (re-exported: nl.float32 etc.)
-    bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4, float8_e5m2,
-    float8_e5m2_x4, float16, float32, int8, int16, int32, tfloat32, uint8, uint16, uint32,
+    bfloat16,
+    bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
 )
 from .errors import rule
 from .targets import resolve as _resolve_target

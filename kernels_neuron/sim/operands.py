@@ -4,7 +4,8 @@ their start alignment, free sizes per buffer, access-pattern dims, engine access
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +73,7 @@ def free_pattern_dims(t: Tensor) -> int:
     shape, strides = t._view.shape[1:], t._view.strides[1:]
     dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
     merged = 0
-    for i, (n, s) in enumerate(dims):
+    for i, (_, s) in enumerate(dims):
         if i + 1 < len(dims) and s == dims[i + 1][0] * dims[i + 1][1]:
             continue
         merged += 1

@@ -8,7 +8,8 @@ runs the matching ``nki.language`` function.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -115,8 +116,8 @@ class Run:
         self._live[kind] -= nbytes
 
     # -- tracing ----------------------------------------------------------------------------
-    def record(self, engine: str, op: str, *, reads: Iterable[tuple[str, "Tensor"]] = (),
-               writes: Iterable[tuple[str, "Tensor"]] = (), bytes_moved: int = 0, flops: int = 0,
+    def record(self, engine: str, op: str, *, reads: Iterable[tuple[str, Tensor]] = (),
+               writes: Iterable[tuple[str, Tensor]] = (), bytes_moved: int = 0, flops: int = 0,
                **attrs: Any) -> Instruction:
         reads = [(role, t) for role, t in reads if t is not None]
         writes = [(role, t) for role, t in writes if t is not None]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.calibration import STAGES, calibrate, model_stage
+from kernels_neuron.bench.calibration import STAGES, calibrate, model_stage
 
 
 @pytest.mark.slow

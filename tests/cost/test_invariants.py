@@ -1,13 +1,13 @@
 """Invariants of the cost model: roofline, monotonicity, pipelining, dependency chains."""
 
 import ml_dtypes
-import numpy as np
-import pytest
-from hypothesis import given, settings, strategies as st
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernels_neuron import cost, sim
 from kernels_neuron.cost.hardware import ATTENTION_CTE_TRN2_PEAK_FRACTION, HARDWARE

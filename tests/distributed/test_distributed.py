@@ -7,7 +7,6 @@ import socket
 
 import pytest
 import torch.multiprocessing as mp
-
 import workers
 
 GRAD_TOL = 2e-5  # fp32: reductions across ranks and kernels round in a different order than one process

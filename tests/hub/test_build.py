@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from kernels import Metadata
 
-from kernels_neuron import cli, hub, registry as registry_module
+from kernels_neuron import cli, hub
+from kernels_neuron import registry as registry_module
 from kernels_neuron.hub import build
 
 REGISTRY = registry_module.load()

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from kernels_neuron import paths, registry as registry_module
+from kernels_neuron import paths
+from kernels_neuron import registry as registry_module
 from kernels_neuron.hub import build
 
 KERNELS_CLI = "import sys; from kernels.cli import main; sys.argv[0] = 'kernels'; sys.exit(main())"

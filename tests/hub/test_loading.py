@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels_neuron import cli, hub, registry as registry_module
+from kernels_neuron import cli, hub
+from kernels_neuron import registry as registry_module
 from kernels_neuron.hub import build
 
 install_module = importlib.import_module("kernels_neuron.hub.install")  # hub.install is the function

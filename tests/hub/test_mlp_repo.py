@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels_neuron import hub, registry as registry_module
+from kernels_neuron import hub
+from kernels_neuron import registry as registry_module
 from kernels_neuron.hub import build
 
 REGISTRY = registry_module.load()

@@ -1,7 +1,6 @@
 """The shared parametrisation of the model-level tests: one tiny model per architecture."""
 
 import pytest
-
 from tiny_models import ARCHS, build_tiny
 
 

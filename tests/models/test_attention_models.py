@@ -23,13 +23,14 @@ import textwrap
 import pytest
 import torch
 import transformers
+from tiny_models import BASE, build_tiny, input_ids
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
 import kernels_neuron
-from kernels_neuron import registry as registry_module, sim
+from kernels_neuron import registry as registry_module
+from kernels_neuron import sim
 from kernels_neuron.hub import build
-from tiny_models import BASE, build_tiny, input_ids
 
 REGISTRY = registry_module.load()
 HUB = REGISTRY.repo_id("neuron-flash-attn")
@@ -155,7 +156,7 @@ def test_training_loss_and_gradients_match(arch, route):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for (name, p), (_, q) in zip(model.named_parameters(), own.named_parameters()):
         assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # --- the features matter, and a missing mask registration would be caught ----------------------------------

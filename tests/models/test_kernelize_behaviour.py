@@ -15,11 +15,20 @@ import pytest
 import torch
 import transformers
 from kernels import Mode
+from tiny_models import (
+    KERNEL_PACKAGE,
+    assert_bf16_like_torch,
+    assert_logits_match,
+    assert_runs_kernel_layer,
+    build_tiny,
+    forward_of,
+    input_ids,
+    logits,
+    norm_modules,
+)
 
 import kernels_neuron
 from kernels_neuron import sim
-from tiny_models import (KERNEL_PACKAGE, assert_bf16_like_torch, assert_logits_match, assert_runs_kernel_layer,
-                         build_tiny, forward_of, input_ids, logits, norm_modules)
 
 
 def _kernelize(model, **kwargs):

@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 import transformers
+from tiny_models import ARCHS, assert_gradients_match, assert_logits_match, build_tiny, forward_of, input_ids, logits
 from torch import nn
 from transformers.activations import ACT2FN
 
 import kernels_neuron
 from kernels_neuron import sim
-from tiny_models import ARCHS, assert_gradients_match, assert_logits_match, build_tiny, forward_of, input_ids, logits
 
 MLP_REPO = "kernels-neuron/neuron-mlp"
 MLP_PACKAGE = "_neuron_mlp_"  # the builder's module ids: _neuron_mlp_<backend>_<hash>

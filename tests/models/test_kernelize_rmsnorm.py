@@ -7,11 +7,23 @@ import sys
 
 import pytest
 import torch
+from tiny_models import (
+    ARCHS,
+    KERNEL_REPO,
+    assert_bf16_like_torch,
+    assert_gradients_match,
+    assert_logits_match,
+    assert_runs_kernel_layer,
+    bf16_errors,
+    build_tiny,
+    forward_of,
+    input_ids,
+    norm_modules,
+)
 
 import kernels_neuron
 from kernels_neuron import sim
-from tiny_models import (ARCHS, KERNEL_REPO, assert_bf16_like_torch, assert_gradients_match, assert_logits_match,
-                         assert_runs_kernel_layer, bf16_errors, build_tiny, forward_of, input_ids, norm_modules)
+
 
 # Gemma3 transposes q/k to [batch, heads, seq, head_dim] before q_norm/k_norm, so those norms get a
 # non-contiguous input, which kernels_neuron/ops/rmsnorm.py:rms_norm rejects ("x ... is not

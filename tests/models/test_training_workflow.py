@@ -12,11 +12,11 @@ import warnings
 
 import pytest
 import torch
+from tiny_models import build_tiny, input_ids
 from torch import nn
 
 import kernels_neuron
 from kernels_neuron import sim
-from tiny_models import build_tiny, input_ids
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -117,7 +117,7 @@ def test_lora_training_keeps_the_fused_mlp_and_matches_the_unkernelized_lora_run
     for name, want in want_grads.items():
         scale = want.abs().max()
         assert scale > 0, f"{name}: no gradient, the comparison would prove nothing"
-        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("order", ["kernelize-then-lora", "lora-then-kernelize"])
@@ -270,7 +270,7 @@ def test_a_sequence_longer_than_one_launch_trains_like_the_reference(monkeypatch
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for (name, p), (_, q) in zip(kernelized.named_parameters(), model.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_position_ids_that_jump_do_not_make_a_plain_causal_mask_packed(varlen_calls):

@@ -120,4 +120,4 @@ def assert_gradients_match(kernelized: nn.Module, reference: nn.Module) -> None:
     for (name, p), (ref_name, q) in pairs:
         assert name == ref_name
         assert p.grad is not None and q.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

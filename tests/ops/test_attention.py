@@ -15,9 +15,15 @@ from hypothesis import strategies as st
 
 from kernels_neuron import sim
 from kernels_neuron.ops import attention as ops
-from kernels_neuron.ops.attention import (MAX_HEAD_DIM, attention_backward_reference, attention_reference,
-                                          flash_attention, flash_attn_bwd, flash_attn_fwd, flash_attn_varlen)
-
+from kernels_neuron.ops.attention import (
+    MAX_HEAD_DIM,
+    attention_backward_reference,
+    attention_reference,
+    flash_attention,
+    flash_attn_bwd,
+    flash_attn_fwd,
+    flash_attn_varlen,
+)
 
 # --- the grid -------------------------------------------------------------------------------------------
 
@@ -343,7 +349,7 @@ def assert_gradients_like_torch(kernel, exact, torch_grads=None, factor=3.0):
     times torch's own bf16 gradient error."""
     for name, got, want, base in zip("qkv", kernel[1:], exact[1:], (torch_grads or exact)[1:]):
         if torch_grads is None:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"d{name}: {m}")
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
         else:
             error, torch_error = (got.float() - want).abs().max(), (base.float() - want).abs().max()
             assert 0 < torch_error and error <= factor * torch_error, f"d{name}: {float(error)} vs torch {float(torch_error)}"
@@ -417,7 +423,7 @@ def test_the_reference_backward_matches_autograd_of_the_reference():
     out, lse = attention_reference(q, k, v, return_lse=True, **kwargs)
     got = attention_backward_reference(q, k, v, out, grad, lse, bias, q.shape[-1] ** -0.5, True, 9, 3.0, None)
     for name, a, b in zip("qkv", got, (dq, dk, dv)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_autograd_wiring_with_the_reference_backward(monkeypatch):

@@ -143,7 +143,7 @@ def test_attention_through_several_launches_matches_the_reference(small_sbuf, sq
     got, want = _grads(out, (q, k, v), grad), _grads(expected, (q, k, v), grad)
     for name, g, w in zip("qkv", got, want):
         assert w.abs().max() > 0, f"d{name} is zero: the comparison would prove nothing"
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=2e-5, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=2e-5, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_packed_sequences_longer_than_a_launch_match_the_reference(small_sbuf):
@@ -160,7 +160,7 @@ def test_packed_sequences_longer_than_a_launch_match_the_reference(small_sbuf):
     grad = torch.randn(out.shape, generator=gen)
     for name, g, w in zip("qkv", _grads(out, (q, k, v), grad), _grads(expected, (q, k, v), grad)):
         assert w.abs().max() > 0
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=2e-5, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=2e-5, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_bf16_through_several_launches_stays_within_torchs_own_bf16_error(small_sbuf):

@@ -9,8 +9,14 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kernels_neuron.ops.attention import attention_reference
-from kernels_neuron.ops.flash_attn_interface import (flash_attn_forward, flash_attn_func, flash_attn_varlen_func,
-                                                     flash_attn_with_kvcache, supports_flash_attn, unsupported_reasons)
+from kernels_neuron.ops.flash_attn_interface import (
+    flash_attn_forward,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    supports_flash_attn,
+    unsupported_reasons,
+)
 
 TOL = dict(rtol=1e-5, atol=2e-5)
 

@@ -10,8 +10,14 @@ from torch import nn
 
 from kernels_neuron import sim
 from kernels_neuron.ops import mlp as mlp_op
-from kernels_neuron.ops.mlp import (activation_kind, describe_activation, gated_mlp, gated_mlp_reference, mlp_bwd,
-                                    mlp_fwd)
+from kernels_neuron.ops.mlp import (
+    activation_kind,
+    describe_activation,
+    gated_mlp,
+    gated_mlp_reference,
+    mlp_bwd,
+    mlp_fwd,
+)
 
 # (tokens..., hidden, intermediate): one token; ragged token tiles with hidden and intermediate off
 # multiples of 128; leading dims; several saved token tiles (> 256 tokens) and two forward token
@@ -95,7 +101,7 @@ def test_fp32_gradients_match_autograd_of_the_reference(shape, activation, fused
             continue
         assert g.shape == w.shape and g.dtype == torch.float32, name
         scale = w.abs().max()
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

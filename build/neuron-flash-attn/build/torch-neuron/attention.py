@@ -23,7 +23,6 @@ True
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -84,8 +83,8 @@ def _check_options(op: str, scale, window, softcap, dropout) -> None:
         raise ValueError(f"{op}: softcap must be None or a non-negative number, got {softcap!r}")
 
 
-def mask_to_bias(op: str, mask: Optional[torch.Tensor], shape: tuple[int, int, int, int],
-                 device: torch.device) -> Optional[torch.Tensor]:
+def mask_to_bias(op: str, mask: torch.Tensor | None, shape: tuple[int, int, int, int],
+                 device: torch.device) -> torch.Tensor | None:
     """An attention mask (bool keep-mask, or additive float) broadcastable to ``[B, H, Sq, Sk]`` as the
     kernel's additive fp32 bias ``[B or 1, H or 1, Sq, Sk]`` (-inf where a bool mask is False)."""
     if mask is None:
@@ -135,7 +134,7 @@ def check_cu_seqlens(op: str, name: str, cu_seqlens: torch.Tensor, total: int) -
 
 # --- the custom ops -------------------------------------------------------------------------------------
 
-def _segments(cu_seqlens: Optional[torch.Tensor]):
+def _segments(cu_seqlens: torch.Tensor | None):
     if cu_seqlens is None:
         return None
     offsets = _offsets(cu_seqlens)
@@ -156,9 +155,9 @@ def _validate_op(q, k, v, bias, cu_seqlens) -> None:
 
 
 @define_op(f"{_NS}::flash_attn_fwd")
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor], scale: float,
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
                    causal: bool, window: int, softcap: float,
-                   cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, H, Sq, D] forward: (out in q's dtype, lse [B, H, Sq] fp32)."""
     _validate_op(q, k, v, bias, cu_seqlens)
     return launches.forward(_kernels.flash_attn_fwd, q, k, v, bias, float(scale), bool(causal), int(window),
@@ -173,8 +172,8 @@ def _(q, k, v, bias, scale, causal, window, softcap, cu_seqlens):
 
 @define_op(f"{_NS}::flash_attn_bwd")
 def flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, bias: Optional[torch.Tensor], scale: float, causal: bool, window: int,
-                   softcap: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool, window: int,
+                   softcap: float, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: (dq, dk, dv), dk/dv per KV head (summed over the query heads of each group)."""
     dq, dk, dv = launches.backward(_kernels.flash_attn_bwd, grad_out.contiguous(), q, k, v, out, lse, bias,
                                    float(scale), bool(causal), int(window), float(softcap), _segments(cu_seqlens),
@@ -206,9 +205,9 @@ torch.library.register_autograd(f"{_NS}::flash_attn_fwd", _backward, setup_conte
 
 # --- public functions -----------------------------------------------------------------------------------
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
-                    scale: Optional[float] = None, causal: bool = False, window: Optional[int] = None,
-                    softcap: Optional[float] = None, dropout: float = 0.0, return_lse: bool = False):
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                    scale: float | None = None, causal: bool = False, window: int | None = None,
+                    softcap: float | None = None, dropout: float = 0.0, return_lse: bool = False):
     """Attention with the NKI kernel. q ``[B, H, Sq, D]``, k/v ``[B, Hkv, Sk, D]`` -> ``[B, H, Sq, D]``.
 
     Args:
@@ -235,8 +234,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attent
 
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
-                      scale: Optional[float] = None, causal: bool = False, window: Optional[int] = None,
-                      softcap: Optional[float] = None, dropout: float = 0.0, return_lse: bool = False):
+                      scale: float | None = None, causal: bool = False, window: int | None = None,
+                      softcap: float | None = None, dropout: float = 0.0, return_lse: bool = False):
     """Packed variable-length sequences: q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` -> ``[total_q, H, D]``.
 
     Sequence ``i`` is queries ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` against keys
@@ -301,7 +300,7 @@ def _sequence_by_sequence(q, k, v, offsets_q, offsets_k, scale, causal, window, 
 
 # --- pure-torch references ------------------------------------------------------------------------------
 
-def _visible(sq: int, sk: int, causal: bool, window: Optional[int], segments, device) -> torch.Tensor:
+def _visible(sq: int, sk: int, causal: bool, window: int | None, segments, device) -> torch.Tensor:
     """[Sq, Sk] bool: which keys each query may see (before any mask/bias)."""
     offset = 0 if segments is not None else sk - sq
     i = torch.arange(sq, device=device)[:, None] + offset
@@ -329,9 +328,9 @@ def _logits(q, k, scale, softcap):
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        attention_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                        causal: bool = False, window: Optional[int] = None, softcap: Optional[float] = None,
-                        dropout: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None,
+                        attention_mask: torch.Tensor | None = None, scale: float | None = None,
+                        causal: bool = False, window: int | None = None, softcap: float | None = None,
+                        dropout: float = 0.0, cu_seqlens: torch.Tensor | None = None,
                         return_lse: bool = False):
     """Pure torch, the semantics of ``flash_attention`` (``[B, H, Sq, D]`` layout).
 

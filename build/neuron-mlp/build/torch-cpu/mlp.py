@@ -28,7 +28,8 @@ forward to its backward (and, under FSDP, defeat the freeing of unsharded weight
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -71,13 +72,13 @@ def describe_activation(act: object) -> str:
     return f"activation {name}{detail} is not one the kernel implements (SiLU, tanh-approximated GELU)"
 
 
-def _check_shapes(x: torch.Tensor, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
+def _check_shapes(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
                   activation: str) -> None:
     _kernels.check_shapes(tuple(x.shape), tuple(w_gate.shape), None if w_up is None else tuple(w_up.shape),
                           tuple(w_down.shape), activation, [dtype_name(x.dtype)])
 
 
-def validate(x: torch.Tensor, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
+def validate(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
              activation: str) -> None:
     """Raise a clear error (op, shape, limit) for anything the kernel cannot take."""
     named = [("x", x), ("gate weight" if w_up is not None else "gate_up weight", w_gate), ("down weight", w_down)]
@@ -104,7 +105,7 @@ def _saved_shape(x: torch.Tensor, w_down: torch.Tensor) -> tuple[int, ...]:
 
 
 @define_op(f"{_NS}::mlp_fwd")
-def mlp_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
+def mlp_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
             activation: str, save_for_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, H] forward: (y, saved). ``saved`` holds the gate/up projections when
     ``save_for_backward``, else it is empty and nothing [T, I]-sized is written."""
@@ -122,7 +123,7 @@ def _(x, w_gate, w_up, w_down, activation, save_for_backward):
 
 
 @define_op(f"{_NS}::mlp_bwd")
-def mlp_bwd(grad_out: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: Optional[torch.Tensor],
+def mlp_bwd(grad_out: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None,
             w_down: torch.Tensor, saved: torch.Tensor, activation: str
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d w_gate, d w_up, d w_down); d w_up is empty for a fused gate_up weight, whose
@@ -213,9 +214,9 @@ def _merged_weights(weights, owners, scales, factors, dtype):
                  for i, w in enumerate(weights))
 
 
-def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
+def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
               activation: str = "silu",
-              updates: Optional[Sequence[Sequence[LowRankUpdate]]] = None) -> torch.Tensor:
+              updates: Sequence[Sequence[LowRankUpdate]] | None = None) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` over the last dim of ``x`` (any leading shape) with the NKI kernel.
 
     Weights in the ``nn.Linear`` layout: ``w_gate``/``w_up`` [I, H], ``w_down`` [H, I]; or Phi3's
@@ -271,9 +272,9 @@ def _gated_mlp_with_updates(x, w_gate, w_up, w_down, activation, updates) -> tor
     return out.reshape(x.shape)
 
 
-def gated_mlp_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: Optional[torch.Tensor], w_down: torch.Tensor,
+def gated_mlp_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
                         activation: str = "silu",
-                        updates: Optional[Sequence[Sequence[LowRankUpdate]]] = None) -> torch.Tensor:
+                        updates: Sequence[Sequence[LowRankUpdate]] | None = None) -> torch.Tensor:
     """Pure torch, the same computation as transformers' LlamaMLP (and Phi3MLP for a fused weight), with
     each low-rank update applied as PEFT's LoRA layer applies it: ``linear(x, W) + scale * b(a(x))``."""
     if activation not in ACTIVATIONS:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -71,7 +71,7 @@ class Projection(NamedTuple):
 
     weight: torch.Tensor
     updates: tuple[LowRankUpdate, ...] = ()
-    split: Optional[str] = None
+    split: str | None = None
     mesh: object = None
 
 
@@ -85,7 +85,7 @@ def _hooks(module: nn.Module) -> list[str]:
     return found
 
 
-def _plain_linear(linear: nn.Module, what: str) -> Union[Projection, str]:
+def _plain_linear(linear: nn.Module, what: str) -> Projection | str:
     if type(linear) is not nn.Linear:
         return f"{what} is {type(linear).__name__}, not a plain nn.Linear"
     if linear.bias is not None:
@@ -96,7 +96,7 @@ def _plain_linear(linear: nn.Module, what: str) -> Union[Projection, str]:
     return Projection(linear.weight)
 
 
-def _peft_lora_linear(linear: nn.Module, what: str) -> Union[Projection, str]:
+def _peft_lora_linear(linear: nn.Module, what: str) -> Projection | str:
     """A PEFT LoRA layer as its base weight plus one update per active adapter (what its forward
     computes when no adapter has dropout in training, a bias or a variant)."""
     hooks = _hooks(linear)
@@ -132,7 +132,7 @@ def _is_peft_lora_linear(module: nn.Module) -> bool:
     return lora is not None and type(module) is lora.Linear
 
 
-def _projection(module: nn.Module, attribute: str) -> Union[Projection, str]:
+def _projection(module: nn.Module, attribute: str) -> Projection | str:
     what = f"{type(module).__name__}.{attribute}"
     linear = getattr(module, attribute, None)
     if linear is None:
@@ -155,7 +155,7 @@ _STANDARD_STYLES = {"rows": ("ColwiseParallel", "Replicate()", "Shard(dim=-1)"),
                     "columns": ("RowwiseParallel", "Shard(dim=-1)", "Replicate()")}
 
 
-def _tensor_parallel_shard(linear: nn.Module) -> Optional[Projection]:
+def _tensor_parallel_shard(linear: nn.Module) -> Projection | None:
     """``linear`` as a tensor-parallel shard: its weight a DTensor on a 1-D mesh split by rows or columns,
     and every hook (torch's ``parallelize_module``) or replaced forward (transformers' plans) on it the
     matching standard style (``_STANDARD_STYLES``); else None."""
@@ -202,12 +202,12 @@ def _placements(layouts: object) -> str:
 
 
 class _Plan(NamedTuple):
-    projections: tuple[Optional[Projection], ...]  # gate (or gate_up), up (None when fused), down
+    projections: tuple[Projection | None, ...]  # gate (or gate_up), up (None when fused), down
     activation: str
     mesh: object = None  # the tensor-parallel mesh, when the weights are TP shards
 
 
-def _resolve(layer: str, module: nn.Module, x: Optional[torch.Tensor], structure: bool) -> Union[_Plan, list[str]]:
+def _resolve(layer: str, module: nn.Module, x: torch.Tensor | None, structure: bool) -> _Plan | list[str]:
     """How the kernel computes ``module`` (on ``x``), or why it cannot. ``structure``: also check what the
     class's forward computes (its source: once, at kernelize time; a class does not change between calls)."""
     name = type(module).__name__
@@ -253,7 +253,7 @@ def _tensor_parallel_mesh(name: str, layer: str, projections) -> tuple[object, l
     return meshes.pop(), []
 
 
-def _limits(name: str, named_weights: dict[str, torch.Tensor], x: Optional[torch.Tensor]) -> list[str]:
+def _limits(name: str, named_weights: dict[str, torch.Tensor], x: torch.Tensor | None) -> list[str]:
     """The kernel's dtype and size limits, in the dtype it would compute in for ``x``."""
     weights = list(named_weights.values())
     dtypes = {w.dtype for w in weights}
@@ -280,7 +280,7 @@ def _limits(name: str, named_weights: dict[str, torch.Tensor], x: Optional[torch
     return reasons
 
 
-def unsupported_reasons(layer: str, module: nn.Module, x: Optional[torch.Tensor] = None) -> list[str]:
+def unsupported_reasons(layer: str, module: nn.Module, x: torch.Tensor | None = None) -> list[str]:
     """Why ``module`` cannot run ``layer`` (empty when it can); with ``x``, also for that input."""
     resolved = _resolve(layer, module, x, structure=True)
     return resolved if isinstance(resolved, list) else []

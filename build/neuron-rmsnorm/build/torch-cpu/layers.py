@@ -9,8 +9,6 @@ replaced by a DTensor) runs its own forward, with the reason on the module and a
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -32,7 +30,7 @@ def _tensor_reasons(name: str, tensor: torch.Tensor) -> list[str]:
     return []
 
 
-def unsupported_reasons(layer: str, module: nn.Module, x: Optional[torch.Tensor] = None) -> list[str]:
+def unsupported_reasons(layer: str, module: nn.Module, x: torch.Tensor | None = None) -> list[str]:
     """Why ``module`` cannot run ``layer`` (empty when it can); with ``x``, also for that input."""
     name = type(module).__name__
     epsilon, _ = _LAYERS[layer]

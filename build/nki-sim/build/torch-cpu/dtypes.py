@@ -178,3 +178,33 @@ def uninitialized_fill(dtype: DType) -> Any:
     if dtype == bool_:
         return True
     return 4  # the official simulator's integer sentinel
+
+
+def torch_to_numpy(t: Any) -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory. Through DLPack, not ``Tensor.numpy()``: that marks the
+    tensor's storage as not resizable for good, and FSDP frees unsharded parameters with
+    ``storage.resize_(0)`` after each forward."""
+    import torch
+
+    if t.device.type != "cpu":
+        raise TypeError(f"the NKI simulator runs on CPU tensors; got a tensor on {t.device}")
+    t = t.detach()
+    bits = {torch.bfloat16: (torch.int16, bfloat16), torch.float8_e4m3fn: (torch.uint8, float8_e4m3fn),
+            torch.float8_e5m2: (torch.uint8, float8_e5m2)}.get(t.dtype)
+    if bits is not None:
+        return np.from_dlpack(t.view(bits[0])).view(bits[1])
+    return np.from_dlpack(t)
+
+
+def numpy_to_torch(a: np.ndarray) -> Any:
+    """A CPU tensor sharing ``a``'s memory (bf16 and fp8 through their bits; IEEE-style e4m3, which
+    torch lacks, as a float32 copy)."""
+    import torch
+
+    bits = {bfloat16: (np.int16, torch.bfloat16), float8_e4m3fn: (np.uint8, torch.float8_e4m3fn),
+            float8_e5m2: (np.uint8, torch.float8_e5m2)}.get(a.dtype)
+    if bits is not None:
+        return torch.from_numpy(a.view(bits[0])).view(bits[1])
+    if a.dtype == float8_e4m3:  # IEEE-style e4m3 has no torch dtype
+        return torch.from_numpy(a.astype(np.float32))
+    return torch.from_numpy(a)

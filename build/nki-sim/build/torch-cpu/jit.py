@@ -11,8 +11,9 @@ import itertools
 import sys
 import threading
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class Kernel:
         self.options = options
         functools.update_wrapper(self, func)
 
-    def __getitem__(self, grid: Any) -> "Kernel":
+    def __getitem__(self, grid: Any) -> Kernel:
         grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
         if not grid or any(int(g) < 1 for g in grid):
             raise ValueError(f"SPMD grid sizes must be positive integers, got {grid}")
@@ -152,7 +153,7 @@ def _to_hbm(rt: runtime.Run, value: Any, name: str) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_hbm(rt, v, f"{name}[{i}]") for i, v in enumerate(value))
     if _is_torch(value):
-        value = _torch_to_numpy(value)
+        value = dtypes.torch_to_numpy(value)
     if isinstance(value, np.ndarray):
         if value.dtype == np.float64 or value.dtype == np.int64:
             raise KernelInterfaceError(
@@ -163,34 +164,6 @@ def _to_hbm(rt: runtime.Run, value: Any, name: str) -> Any:
             value = value.copy()
         return Tensor(rt.wrap_hbm(value, name))
     return value
-
-
-def _torch_to_numpy(t: Any) -> np.ndarray:
-    """A NumPy view of a CPU tensor's memory. Through DLPack, not ``Tensor.numpy()``: that marks the
-    tensor's storage as not resizable for good, and FSDP frees unsharded parameters with
-    ``storage.resize_(0)`` after each forward."""
-    import torch
-
-    if t.device.type != "cpu":
-        raise TypeError(f"the NKI simulator runs on CPU tensors; got a tensor on {t.device}")
-    t = t.detach()
-    bits = {torch.bfloat16: (torch.int16, dtypes.bfloat16), torch.float8_e4m3fn: (torch.uint8, dtypes.float8_e4m3fn),
-            torch.float8_e5m2: (torch.uint8, dtypes.float8_e5m2)}.get(t.dtype)
-    if bits is not None:
-        return np.from_dlpack(t.view(bits[0])).view(bits[1])
-    return np.from_dlpack(t)
-
-
-def _numpy_to_torch(a: np.ndarray) -> Any:
-    import torch
-
-    bits = {dtypes.bfloat16: (np.int16, torch.bfloat16), dtypes.float8_e4m3fn: (np.uint8, torch.float8_e4m3fn),
-            dtypes.float8_e5m2: (np.uint8, torch.float8_e5m2)}.get(a.dtype)
-    if bits is not None:
-        return torch.from_numpy(a.view(bits[0])).view(bits[1])
-    if a.dtype == dtypes.float8_e4m3:  # IEEE-style e4m3 has no torch dtype
-        return torch.from_numpy(a.astype(np.float32))
-    return torch.from_numpy(a)
 
 
 def _from_hbm(value: Any, torch_out: bool) -> Any:
@@ -210,5 +183,5 @@ def _from_hbm(value: Any, torch_out: bool) -> Any:
                 "must be allocated with buffer=nl.shared_hbm"
             )
         array = np.array(value.read(), copy=True)
-        return _numpy_to_torch(array) if torch_out else array
+        return dtypes.numpy_to_torch(array) if torch_out else array
     return value

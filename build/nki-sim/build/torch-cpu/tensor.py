@@ -8,8 +8,9 @@ checked to stay inside its buffer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -41,7 +42,7 @@ class Indirect:
     allocation, except that along ``dim`` the coordinate ``i`` is replaced by ``index[i]``.
     """
 
-    index: "Tensor"
+    index: Tensor
     dim: int
     start: int
     steps: tuple[int, ...]
@@ -214,7 +215,7 @@ class Tensor:
             raise rule(what, repr(self), "an indirect (vector_offset) access pattern cannot be viewed further; "
                        "put the whole access in the .ap() pattern")
 
-    def __getitem__(self, key: Any) -> "Tensor":
+    def __getitem__(self, key: Any) -> Tensor:
         self._direct("index")
         # The trailing Ellipsis keeps an all-integer index a 0-d *view* (NumPy would return a
         # detached scalar, and writes through it would be lost).
@@ -259,7 +260,7 @@ class Tensor:
         return tuple(out)
 
     # -- views ------------------------------------------------------------------------------
-    def reshape(self, *shape: Any) -> "Tensor":
+    def reshape(self, *shape: Any) -> Tensor:
         self._direct("reshape")
         shape = _shape_arg(shape)
         shape = _resolve_shape(shape, self.size)
@@ -274,7 +275,7 @@ class Tensor:
         out._check_partition_layout("reshape")
         return out
 
-    def view(self, dtype: Any) -> "Tensor":
+    def view(self, dtype: Any) -> Tensor:
         """Reinterpret the bits as ``dtype`` (the last dimension scales by the size ratio)."""
         self._direct("view")
         new = dtypes.canonical(dtype)
@@ -284,11 +285,11 @@ class Tensor:
             raise NkiValidationError(f"view: cannot reinterpret {self!r} as {dtypes.name(new)}: {exc}") from exc
         return Tensor(self._buf, view, new)
 
-    def reinterpret_cast(self, dtype: Any) -> "Tensor":
+    def reinterpret_cast(self, dtype: Any) -> Tensor:
         """The same as :meth:`view`."""
         return self.view(dtype)
 
-    def permute(self, *args: Any, dims: Sequence[int] | None = None) -> "Tensor":
+    def permute(self, *args: Any, dims: Sequence[int] | None = None) -> Tensor:
         """Reorder dimensions: ``t.permute(0, 2, 1)``, ``t.permute((0, 2, 1))`` or ``t.permute(dims=[0, 2, 1])``."""
         self._direct("permute")
         dims = _shape_arg(args if dims is None else (tuple(dims),))
@@ -298,7 +299,7 @@ class Tensor:
             raise rule("permute", repr(self), "on-chip tensors keep dim 0 as the partition dim", dims=dims)
         return Tensor(self._buf, np.transpose(self._view, dims), self._dtype)
 
-    def broadcast_to(self, shape: Sequence[int]) -> "Tensor":
+    def broadcast_to(self, shape: Sequence[int]) -> Tensor:
         self._direct("broadcast_to")
         shape = tuple(int(s) for s in shape)
         try:
@@ -307,7 +308,7 @@ class Tensor:
             raise ValueError(f"broadcast_to: cannot broadcast {list(self.shape)} to {list(shape)}") from exc
         return Tensor(self._buf, view, self._dtype)
 
-    def broadcast(self, dim: int, size: int) -> "Tensor":
+    def broadcast(self, dim: int, size: int) -> Tensor:
         """Repeat a size-1 dimension ``size`` times without copying (stride 0)."""
         if self.shape[dim] != 1:
             raise ValueError(f"broadcast: dim {dim} of {list(self.shape)} has size {self.shape[dim]}, not 1")
@@ -315,16 +316,16 @@ class Tensor:
         shape[dim] = int(size)
         return self.broadcast_to(shape)
 
-    def expand_dims(self, axis: int) -> "Tensor":
+    def expand_dims(self, axis: int) -> Tensor:
         self._direct("expand_dims")
         if self.on_chip and int(axis) % (self.ndim + 1) == 0:
             raise rule("expand_dims", repr(self), "axis 0 is the partition dim of an on-chip tensor")
         return Tensor(self._buf, np.expand_dims(self._view, axis), self._dtype)
 
-    def expand_dim(self, dim: int) -> "Tensor":
+    def expand_dim(self, dim: int) -> Tensor:
         return self.expand_dims(dim)
 
-    def squeeze_dim(self, dim: int) -> "Tensor":
+    def squeeze_dim(self, dim: int) -> Tensor:
         self._direct("squeeze_dim")
         if self.shape[dim] != 1:
             raise ValueError(f"squeeze_dim: dim {dim} of {list(self.shape)} has size {self.shape[dim]}, not 1")
@@ -332,13 +333,13 @@ class Tensor:
             raise rule("squeeze_dim", repr(self), "axis 0 is the partition dim of an on-chip tensor")
         return Tensor(self._buf, np.squeeze(self._view, dim), self._dtype)
 
-    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "Tensor":
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> Tensor:
         """``start:end:step`` along one dimension."""
         key: list[Any] = [slice(None)] * self.ndim
         key[dim] = slice(start, end, step)
         return self[tuple(key)]
 
-    def select(self, dim: int, index: int) -> "Tensor":
+    def select(self, dim: int, index: int) -> Tensor:
         """Drop dimension ``dim`` by taking element ``index`` of it."""
         if self.on_chip and int(dim) % self.ndim == 0:
             raise rule("select", repr(self), "cannot drop the partition dim of an on-chip tensor")
@@ -346,18 +347,18 @@ class Tensor:
         key[dim] = _scalar_value(index)  # an int, a register, or a one-element tile read now
         return self[tuple(key)]
 
-    def flatten_dims(self, start_dim: int, end_dim: int) -> "Tensor":
+    def flatten_dims(self, start_dim: int, end_dim: int) -> Tensor:
         """Merge dimensions ``start_dim..end_dim`` (inclusive) into one."""
         shape = self.shape[:start_dim] + (-1,) + self.shape[end_dim + 1:]
         return self.reshape(shape)
 
-    def reshape_dim(self, dim: int, shape: Sequence[int]) -> "Tensor":
+    def reshape_dim(self, dim: int, shape: Sequence[int]) -> Tensor:
         """Split dimension ``dim`` into ``shape`` (one entry may be -1)."""
         return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1:])
 
     def ap(self, pattern: Sequence[Sequence[int]], offset: int | None = None, *,
-           vector_offset: "Tensor | None" = None, scalar_offset: Any = None, indirect_dim: int = 0,
-           dtype: Any = None) -> "Tensor":
+           vector_offset: Tensor | None = None, scalar_offset: Any = None, indirect_dim: int = 0,
+           dtype: Any = None) -> Tensor:
         """An access pattern straight onto this tensor's allocation: ``[[step, num], ...]``.
 
         Steps and ``offset`` count elements (of ``dtype`` when given, reinterpreting the bits)
@@ -420,7 +421,7 @@ class Tensor:
                        shape=list(self.shape), partitions_touched=region.p1 - region.p0)
 
     # -- arithmetic sugar (each is a real instruction, see nki.language) ---------------------
-    def _binary(self, other: Any, op: str, reverse: bool = False) -> "Tensor":
+    def _binary(self, other: Any, op: str, reverse: bool = False) -> Tensor:
         fn = getattr(frontend.language(), op)
         return fn(other, self) if reverse else fn(self, other)
 
@@ -444,7 +445,7 @@ class Tensor:
     def __neg__(self):
         return frontend.language().negative(self)
 
-    def __iadd__(self, other: Any) -> "Tensor":
+    def __iadd__(self, other: Any) -> Tensor:
         frontend.language()._accumulate_into(self, other)
         return self
 

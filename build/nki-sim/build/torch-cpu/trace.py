@@ -25,7 +25,7 @@ class Region(NamedTuple):
     b0: int
     b1: int
 
-    def overlaps(self, other: "Region") -> bool:
+    def overlaps(self, other: Region) -> bool:
         return (
             self.buffer_id == other.buffer_id
             and self.p0 < other.p1 and other.p0 < self.p1

@@ -540,7 +540,7 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
                             side.query_gradient(keys)
                         for side in sides:
                             side.add_query_gradient()
-                    for j, (c0, kr) in enumerate(tiles(kc, P)):
+                    for j, (c0, _) in enumerate(tiles(kc, P)):
                         block = (k0 + c0) // P
                         if any(side.seen.sees(k0, kc) for side in rows_of):
                             nisa.tensor_tensor(dst=dk_acc[block], data1=dk_acc[block], data2=dk_psum[j], op=nl.add)

@@ -237,9 +237,9 @@ class _Forward(nl.NKIObject):
             for tt0, tt in tiles(t_block, TOKEN_TILE):
                 gate = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
                 up = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
-                for k, (h0, hsz) in enumerate(h_tiles):
+                for k, (_, hsz) in enumerate(h_tiles):
                     nisa.nc_matmul(dst=gate, stationary=wg_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0:tt0 + tt])
-                for k, (h0, hsz) in enumerate(h_tiles):
+                for k, (_, hsz) in enumerate(h_tiles):
                     nisa.nc_matmul(dst=up, stationary=wu_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0:tt0 + tt])
                 activated = nl.ndarray((isz, tt), nl.float32, buffer=nl.sbuf)
                 nisa.activation(dst=activated, op=_act_op(self.activation), data=gate)
@@ -267,7 +267,7 @@ class _Forward(nl.NKIObject):
             y_t = nl.ndarray((hsz, t_block), dtype if last else nl.float32, buffer=nl.sbuf)
             for tt0, tt in tiles(t_block, TOKEN_TILE):
                 acc = nl.ndarray((hsz, tt), nl.float32, buffer=nl.psum)
-                for j, (i0, isz) in enumerate(part):
+                for j, (_, isz) in enumerate(part):
                     nisa.nc_matmul(dst=acc, stationary=wd_t[:isz, j, :hsz], moving=self.act_t[:isz, j, tt0:tt0 + tt])
                 if first:
                     self.evictions.evict(y_t[:, tt0:tt0 + tt], acc)
@@ -562,9 +562,9 @@ class _Backward(nl.NKIObject):
             cols = block[-1][0] + block[-1][1] - block[0][0]
             grads_t = nl.ndarray((P, 2, nbt, tsz), dtype, buffer=nl.sbuf)  # dg^T, du^T
             rows = nl.ndarray((P, 3, ceil_div(tsz, P), cols), dtype, buffer=nl.sbuf)  # a, dg, du token-major
-            for j, (i0, isz) in enumerate(block):
+            for j, (_, isz) in enumerate(block):
                 d_act = nl.ndarray((isz, tsz), nl.float32, buffer=nl.psum)
-                for k, (h0, hsz) in enumerate(h_tiles):
+                for k, (_, hsz) in enumerate(h_tiles):
                     nisa.nc_matmul(dst=d_act, stationary=w_d[ib % 2][:hsz, k, j * P:j * P + isz], moving=dyt[:hsz, k, :])
                 while len(pending) >= depth:
                     _run(pending.pop(0))

@@ -20,8 +20,8 @@ modelling the whole problem at sizes small enough to simulate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import ml_dtypes
 import numpy as np
