@@ -28,6 +28,7 @@ def _examples(args: argparse.Namespace) -> int:
         return _example_module("sft").main(["--steps", str(args.steps)] + (["--no-fsdp"] if args.no_fsdp else []))
     import ml_dtypes
     import numpy as np
+    from numpy.typing import DTypeLike
 
     from kernels_neuron import sim
 
@@ -38,7 +39,7 @@ def _examples(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
     x = rng.standard_normal((300, 1000)).astype(np.float32)
-    cases: dict[str, tuple[tuple, dict, np.dtype]] = {
+    cases: dict[str, tuple[tuple, dict, DTypeLike]] = {
         "tiled_matmul": ((rng.standard_normal((384, 256)).astype(bf16), rng.standard_normal((384, 1024)).astype(bf16)), {}, bf16),
         "transpose_2d": ((rng.standard_normal((300, 260)).astype(bf16),), {}, bf16),
         "row_softmax": ((x,), {}, np.float32),
@@ -85,7 +86,7 @@ def _example_module(name: str):
 
     path = EXAMPLES_DIR / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"kernels_neuron_example_{name}", path)
-    if spec is None or not path.is_file():
+    if spec is None or spec.loader is None or not path.is_file():
         raise SystemExit(f"kernels-neuron examples: {path} was not found")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

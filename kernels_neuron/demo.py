@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -18,8 +19,12 @@ from rich.table import Table
 
 from . import cost, sim
 
-DEMO_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=64, vocab_size=128, max_position_embeddings=256)
+if TYPE_CHECKING:
+    from transformers import Qwen3ForCausalLM
+
+DEMO_CONFIG: dict[str, Any] = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=64, vocab_size=128,
+                                    max_position_embeddings=256)
 PROMPT_TOKENS = 16
 NEW_TOKENS = 8
 
@@ -33,11 +38,17 @@ class DemoResult:
     modelled_us_by_kernel: dict[str, tuple[int, float]]  # kernel -> (launches, total modelled µs)
 
 
-def build_model(seed: int = 0) -> torch.nn.Module:
+def build_model(seed: int = 0) -> Qwen3ForCausalLM:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(Qwen3Config(**DEMO_CONFIG)).eval()
+
+
+def _greedy_tokens(model: Any, prompt: torch.Tensor) -> torch.Tensor:
+    """``model.generate`` without sampling. ``model`` is typed loosely: transformers annotates ``generate``
+    with a self-type its own model classes do not satisfy under mypy."""
+    return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
 
 
 def run(target: str = "trn2", console: Console | None = None) -> DemoResult:
@@ -55,8 +66,7 @@ def run(target: str = "trn2", console: Console | None = None) -> DemoResult:
         expected = original(prompt).logits
         with sim.capture() as traces:
             got = model(prompt).logits
-        generated_ref = original.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
-        generated = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        generated_ref, generated = _greedy_tokens(original, prompt), _greedy_tokens(model, prompt)
     deviation = float((got - expected).abs().max())
     same = bool(torch.equal(generated, generated_ref))
 

@@ -83,7 +83,7 @@ class Registry:
         """The layer for a module class: by class name, else by the layer name it is tagged with
         (transformers' ``kernel_layer_name``)."""
         tag = getattr(cls, "kernel_layer_name", None)
-        return self._layers_by_class.get(cls.__name__) or self._layers_by_name.get(tag)
+        return self._layers_by_class.get(cls.__name__) or (self._layers_by_name.get(tag) if isinstance(tag, str) else None)
 
 
 def _check_entry(where: str, entry: dict[str, Any], required: tuple[str, ...], repos: dict[str, Repo]) -> None:

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+
+class NkiKernel(Protocol):
+    """An ``@nki.jit`` kernel (the simulator's or real NKI's): called to launch it, indexed by an SPMD
+    grid to launch that grid."""
+
+    __name__: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def __getitem__(self, grid: Any) -> NkiKernel: ...
 
 
 @dataclass(frozen=True)
@@ -20,9 +31,9 @@ class Case:
     """
 
     name: str
-    kernel: Callable[..., Any]
+    kernel: NkiKernel
     make_inputs: Callable[[int], tuple]
-    shape: dict[str, int]
+    shape: dict[str, int | float | str]  # the dimensions, and options that shape the work (window, packing)
     dtype: str
     model: str
     reference_name: str
@@ -41,7 +52,7 @@ class Record:
     name: str
     kernel: str
     model: str
-    shape: dict[str, int]
+    shape: dict[str, int | float | str]
     dtype: str
     target: str
     reference: str

@@ -21,21 +21,24 @@ DEVICE_ITERATIONS = 20
 
 def device_available() -> bool:
     """True on a Trainium host with TorchNeuron (``torch.neuron``) and a device to run on."""
-    try:
-        import torch
-    except ImportError:
-        return False
-    neuron = getattr(torch, "neuron", None)
+    neuron = _torch_neuron()
     if neuron is None:
         return False
     is_available = getattr(neuron, "is_available", None)
     return bool(is_available()) if callable(is_available) else True
 
 
-def _synchronize() -> None:
-    import torch
+def _torch_neuron() -> Any:
+    """TorchNeuron's ``torch.neuron`` module, or None (no torch, or torch without TorchNeuron)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return getattr(torch, "neuron", None)
 
-    torch.neuron.synchronize()
+
+def _synchronize() -> None:
+    _torch_neuron().synchronize()
 
 
 def _time_on_device(fn: Callable[[], object]) -> float:

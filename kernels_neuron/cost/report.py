@@ -97,6 +97,6 @@ class CostReport:
         return table
 
     def __str__(self) -> str:
-        console = Console(width=120, file=io.StringIO())
-        console.print(self.table())
-        return console.file.getvalue()
+        buffer = io.StringIO()
+        Console(width=120, file=buffer).print(self.table())
+        return buffer.getvalue()

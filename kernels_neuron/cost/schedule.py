@@ -63,7 +63,7 @@ class _Memory:
 
     def depends(self, inst: Instruction) -> set[int]:
         """Earlier instructions ``inst`` must wait for."""
-        deps = set()
+        deps: set[int] = set()
         for region in inst.reads:
             deps.update(idx for other, idx in self.writes.get(region.buffer_id, ()) if region.overlaps(other))
         for region in inst.writes:
@@ -155,7 +155,9 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
         inst = instructions[i]
         start, waited_on = lane_free[lane_of[i]]
         for j in deps[i]:
-            finish = slots[j].end + (hw.cross_engine_sync_ns if slots[j].engine != inst.engine else 0.0)
+            slot = slots[j]
+            assert slot is not None  # i is pushed only once every instruction it depends on is placed
+            finish = slot.end + (hw.cross_engine_sync_ns if slot.engine != inst.engine else 0.0)
             if finish > start:
                 start, waited_on = finish, j
         return start, waited_on
@@ -194,4 +196,6 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
             waiting[k] -= 1
             if waiting[k] == 0 and lanes[lane_of[k]][position[lane_of[k]]] == k:
                 push(k)
-    return Schedule(slots=slots, engine_busy_ns=busy)
+    placed = [s for s in slots if s is not None]
+    assert len(placed) == count, "every instruction is placed: dependencies only point to earlier ones"
+    return Schedule(slots=placed, engine_busy_ns=busy)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import kernels
 from kernels import Mode
@@ -26,6 +26,9 @@ from ..registry import Registry
 from .modes import MODE_NAMES, mode_name
 from .report import ReportRow
 from .repos import ensure_local_kernels, pinned_version
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION_LAYER = "attention"
 _ORIGINAL_ATTENTION = "_kernels_neuron_original_attention"  # set on each attention module by kernelize
@@ -103,9 +106,9 @@ def restore_own_attention(model: nn.Module, reg: Registry) -> None:
     """``attention=False`` on a model an earlier kernelize routed: back to the attention it had before."""
     names = {entry.name for entry in reg.attention}
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) in names:
+    if getattr(config, "_attn_implementation", None) in names:  # a transformers model an earlier call routed
         originals = {getattr(m, _ORIGINAL_ATTENTION, "sdpa") for _, m in attention_modules(model)}
-        model.set_attn_implementation(originals.pop() if len(originals) == 1 else "sdpa")
+        cast("PreTrainedModel", model).set_attn_implementation(originals.pop() if len(originals) == 1 else "sdpa")
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -143,10 +146,11 @@ def kernelize_attention(model: nn.Module, reg: Registry, requested: Mode) -> lis
     if can_set is None or not can_set():
         return rows(f"{type(model).__name__} does not let transformers set its attention implementation")
     kernel = _register_attention(reg)[entry.name]
-    original = model.config._attn_implementation
+    transformers_model = cast("PreTrainedModel", model)  # it lets transformers set its attention
+    original = transformers_model.config._attn_implementation
     for _, module in modules:
         vars(module).pop(FALLBACK_ATTRIBUTE, None)
         if not hasattr(module, _ORIGINAL_ATTENTION):  # kernelizing twice keeps the model's own
             setattr(module, _ORIGINAL_ATTENTION, original if original in ("sdpa", "eager") else "sdpa")
-    model.set_attn_implementation(entry.name)
+    transformers_model.set_attn_implementation(entry.name)
     return rows(None, kernel)

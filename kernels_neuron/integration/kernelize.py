@@ -24,6 +24,7 @@ from .report import KernelizeReport, ReportRow
 from .unserved import without_kernel
 
 DEVICES = ("neuron", "cpu")  # the kernels-library device keys kernelize registers the hub's layers for
+REPORT_ATTRIBUTE = "kernels_neuron_report"  # where kernelize leaves its KernelizeReport on the model
 # The per-kernel keyword kernelize had before only=/exclude=, and the repo it stands for.
 _MLP_KEYWORD_REPO = "neuron-mlp"
 
@@ -152,5 +153,5 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, *, onl
         warnings.warn(f"kernels-neuron: kernelize kept {len(report.fallbacks)} module(s) on their own forward, e.g. "
                       f"{report.fallbacks[0].path}: {report.fallbacks[0].reason} (model.kernels_neuron_report lists "
                       "them all)", stacklevel=2)
-    model.kernels_neuron_report = report
+    setattr(model, REPORT_ATTRIBUTE, report)
     return model

@@ -28,6 +28,9 @@ from ..registry import Layer, Registry
 from .modes import registered_modes
 from .repos import ensure_local_kernels, layers_module, pinned_version
 
+# The class attribute the kernels library asks before swapping a module (a static predicate on it).
+KERNEL_CONDITION = "kernel_condition"
+
 
 def violations(layer: Layer, module: nn.Module, reg: Registry) -> list[str]:
     """Why ``module`` cannot take ``layer``'s kernel (empty when it can): a forward something else already
@@ -162,9 +165,9 @@ def keeping_own_forward(kept: list[tuple[nn.Module, Layer]]):
     ids = {id(module) for module, _ in kept}
     saved = {}
     for cls in {type(module) for module, _ in kept}:
-        condition = getattr(cls, "kernel_condition", None) or (lambda m: True)
-        saved[cls] = cls.__dict__.get("kernel_condition")
-        cls.kernel_condition = staticmethod(lambda m, c=condition: id(m) not in ids and c(m))
+        condition = getattr(cls, KERNEL_CONDITION, None) or (lambda m: True)
+        saved[cls] = cls.__dict__.get(KERNEL_CONDITION)
+        setattr(cls, KERNEL_CONDITION, staticmethod(lambda m, c=condition: id(m) not in ids and c(m)))
     for module, layer in kept:
         if swapped_to(module, layer):
             del module.forward  # the instance attribute the kernels library set; the class's forward shows again
@@ -173,6 +176,6 @@ def keeping_own_forward(kept: list[tuple[nn.Module, Layer]]):
     finally:
         for cls, original in saved.items():
             if original is None:
-                del cls.kernel_condition
+                delattr(cls, KERNEL_CONDITION)
             else:
-                cls.kernel_condition = original
+                setattr(cls, KERNEL_CONDITION, original)

@@ -80,6 +80,6 @@ class KernelizeReport:
         return table
 
     def __str__(self) -> str:
-        console = Console(width=160, file=io.StringIO())
-        console.print(self.table())
-        return console.file.getvalue()
+        text = io.StringIO()
+        Console(width=160, file=text).print(self.table())
+        return text.getvalue()

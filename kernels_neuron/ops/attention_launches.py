@@ -99,7 +99,8 @@ def plan(sq: int, sk: int, causal: bool, window: int, segments: tuple[tuple[int,
         return _plan_dense(0, sq, sk, causal, window, capacity, backward)
     if capacity.fits(sq, sk, backward):
         return [Launch(0, sq, 0, sk, causal, window, segments)]
-    launches, group = [], []
+    launches: list[Launch] = []
+    group: list[tuple[int, int]] = []
     for start, end in segments:
         if group and not capacity.fits(end - group[0][0], end - group[0][0], backward):
             launches.append(_packed_group(group, causal, window))

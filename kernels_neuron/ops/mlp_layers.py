@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,7 +37,8 @@ from .mlp_structure import STRUCTURES, gated_mlp_form
 # Each layer: the structure its module's forward must have (mlp_structure), and its projections in the
 # order of gated_mlp's weights (None: the fused gate_up has no up).
 _STRUCTURE = {"GatedMLP": "gated_mlp", "GatedMLPFusedGateUp": "gated_mlp_fused"}
-_PROJECTIONS = {"GatedMLP": ("gate_proj", "up_proj", "down_proj"), "GatedMLPFusedGateUp": ("gate_up_proj", None, "down_proj")}
+_PROJECTIONS: dict[str, tuple[str, str | None, str]] = {
+    "GatedMLP": ("gate_proj", "up_proj", "down_proj"), "GatedMLPFusedGateUp": ("gate_up_proj", None, "down_proj")}
 _ACTIVATIONS = ("act_fn", "activation_fn")
 LIMITS = (f"a forward computing down(act(gate(x)) * up(x)) (read from its source); projections without bias: "
           f"plain nn.Linear, PEFT LoRA over one, or tensor-parallel shards; hidden size up to {max_hidden('bfloat16')} "
@@ -54,7 +55,8 @@ def computes(layer: str, cls: type) -> bool:
 
 def _structure_reasons(layer: str, module: nn.Module) -> list[str]:
     name = type(module).__name__
-    form = gated_mlp_form(type(module))
+    cls: type = type(module)  # as a plain type: mypy checks Module.__hash__ for type[Module] and finds no Hashable
+    form = gated_mlp_form(cls)
     if form is None or form[0] != _STRUCTURE[layer]:
         projections = " * ".join(f"{p}(x)" for p in STRUCTURES[_STRUCTURE[layer]])
         return [f"{name}.forward is not the gated MLP the kernel computes (down_proj(act({projections})))"]
@@ -96,9 +98,10 @@ def _plain_linear(linear: nn.Module, what: str) -> Projection | str:
     return Projection(linear.weight)
 
 
-def _peft_lora_linear(linear: nn.Module, what: str) -> Projection | str:
-    """A PEFT LoRA layer as its base weight plus one update per active adapter (what its forward
-    computes when no adapter has dropout in training, a bias or a variant)."""
+def _peft_lora_linear(linear: Any, what: str) -> Projection | str:
+    """A PEFT LoRA layer (a ``peft.tuners.lora.Linear``, read by its attributes: PEFT is optional) as
+    its base weight plus one update per active adapter (what its forward computes when no adapter has
+    dropout in training, a bias or a variant)."""
     hooks = _hooks(linear)
     if hooks:  # PEFT's own pre-hooks pass per-sample adapter names
         return f"{what} (PEFT LoRA) has {' and '.join(hooks)}, which the fused kernel would bypass"
@@ -202,7 +205,9 @@ def _placements(layouts: object) -> str:
 
 
 class _Plan(NamedTuple):
-    projections: tuple[Projection | None, ...]  # gate (or gate_up), up (None when fused), down
+    gate: Projection  # or the fused gate_up
+    up: Projection | None  # None with a fused gate_up
+    down: Projection
     activation: str
     mesh: object = None  # the tensor-parallel mesh, when the weights are TP shards
 
@@ -214,29 +219,32 @@ def _resolve(layer: str, module: nn.Module, x: torch.Tensor | None, structure: b
     reasons = _structure_reasons(layer, module) if structure else []
     if reasons:
         return reasons
-    projections = []
-    for attribute in _PROJECTIONS[layer]:
-        projection = None if attribute is None else _projection(module, attribute)
+    found: dict[str, Projection] = {}
+    for attribute in filter(None, _PROJECTIONS[layer]):
+        projection = _projection(module, attribute)
         if isinstance(projection, str):
             reasons.append(projection)
-        projections.append(projection)
+        else:
+            found[attribute] = projection
     present = [a for a in _ACTIVATIONS if getattr(module, a, None) is not None]
     kind = activation_kind(getattr(module, present[0])) if present else None
     if not present:
         reasons.append(f"{name} has no activation ({' or '.join(_ACTIVATIONS)})")
     elif kind is None:
         reasons.append(f"{name}.{present[0]}: {describe_activation(getattr(module, present[0]))}")
-    if reasons:
+    if reasons or kind is None:
         return reasons
+    gate, up, down = _PROJECTIONS[layer]
+    projections = (found[gate], None if up is None else found[up], found[down])
     mesh, reasons = _tensor_parallel_mesh(name, layer, projections)
     if reasons:
         return reasons
-    weights = {a: p.weight for a, p in zip(_PROJECTIONS[layer], projections) if p is not None}
-    reasons += _limits(name, weights, x)
-    return reasons or _Plan(tuple(projections), kind, mesh)
+    reasons += _limits(name, {attribute: p.weight for attribute, p in found.items()}, x)
+    return reasons or _Plan(*projections, kind, mesh)
 
 
-def _tensor_parallel_mesh(name: str, layer: str, projections) -> tuple[object, list[str]]:
+def _tensor_parallel_mesh(name: str, layer: str,
+                          projections: tuple[Projection | None, ...]) -> tuple[object, list[str]]:
     """The mesh when the projections are a complete tensor-parallel MLP (gate/up split by rows, down by
     columns, one mesh), None when none is sharded, else why not."""
     present = [p for p in projections if p is not None]
@@ -300,11 +308,11 @@ def _forward(layer: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     plan = _resolve(layer, module, x, structure=False)
     if isinstance(plan, list):
         return own_forward(module, "; ".join(plan), x)
-    weights = [None if p is None else p.weight for p in plan.projections]
-    updates = [() if p is None else p.updates for p in plan.projections]
+    up = None if plan.up is None else plan.up.weight
+    updates = [plan.gate.updates, () if plan.up is None else plan.up.updates, plan.down.updates]
 
     def run(inputs: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(inputs, *weights, plan.activation, updates=updates)
+        return gated_mlp(inputs, plan.gate.weight, up, plan.down.weight, plan.activation, updates=updates)
 
     return run(x) if plan.mesh is None else _tensor_parallel(x, plan.mesh, run)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
 
 
 class SpecialDType:
@@ -18,7 +19,7 @@ class SpecialDType:
 
     __slots__ = ("name", "storage", "itemsize")
 
-    def __init__(self, name: str, storage: np.dtype, itemsize: int) -> None:
+    def __init__(self, name: str, storage: DTypeLike, itemsize: int) -> None:
         self.name = name
         self.storage = np.dtype(storage)
         self.itemsize = itemsize

@@ -12,11 +12,14 @@ __version__ = "0.6-sim"
 
 def build() -> types.ModuleType:
     module = types.ModuleType("nki", "NKI (Neuron Kernel Interface) as run by the kernels-neuron CPU simulator.")
-    module.jit = jit
-    module.simulate = simulate
-    module.language = language
-    module.isa = isa
-    module.__version__ = __version__
-    module.__path__ = []  # a package, so ``import nki.language`` resolves through sys.modules
-    module.__kernels_neuron_simulator__ = True
+    # A module's attributes are its namespace; ModuleType declares none of these, so set them there.
+    vars(module).update(
+        jit=jit,
+        simulate=simulate,
+        language=language,
+        isa=isa,
+        __version__=__version__,
+        __path__=[],  # a package, so ``import nki.language`` resolves through sys.modules
+        __kernels_neuron_simulator__=True,
+    )
     return module

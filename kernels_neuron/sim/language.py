@@ -400,6 +400,7 @@ def _column_operand(column: Tensor, op: ops.Op) -> Tensor:
 
 def _binary(op: ops.Op, x: Any, y: Any, dtype: Any = None) -> Any:
     if not isinstance(x, Tensor) and not isinstance(y, Tensor):
+        assert op.binary is not None  # apply_operator sends only operators with a binary form here
         return op.binary(np.float32(x), np.float32(y)).item()
     out_dtype = _promote(x, y) if dtype is None else dtype
     if not isinstance(y, Tensor) or not isinstance(x, Tensor):

@@ -12,11 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import frontend
 from .errors import rule
 
 Array = np.ndarray
+# What the engines' operator functions take: tiles' values, scalars, and [P, 1] columns (converted with np.asarray).
+Binary = Callable[[ArrayLike, ArrayLike], Array]
+Unary = Callable[[ArrayLike], Array]
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -34,8 +38,7 @@ class Op:
 
     __slots__ = ("name", "binary", "unary", "kind", "identity")
 
-    def __init__(self, name: str, *, binary: Callable[[Array, Array], Array] | None = None,
-                 unary: Callable[[Array], Array] | None = None, kind: str = "arith",
+    def __init__(self, name: str, *, binary: Binary | None = None, unary: Unary | None = None, kind: str = "arith",
                  identity: float | None = None) -> None:
         self.name = name
         self.binary = binary
@@ -51,15 +54,15 @@ class Op:
         return f"nl.{self.name}"
 
 
-def _ints(fn: Callable[[Array, Array], Array]) -> Callable[[Array, Array], Array]:
-    def run(a: Array, b: Array) -> Array:
+def _ints(fn: Callable[[Array, Array], Array]) -> Binary:
+    def run(a: ArrayLike, b: ArrayLike) -> Array:
         return fn(np.asarray(a).astype(np.int64), np.asarray(b).astype(np.int64))
 
     return run
 
 
 def _fp32(fn: Callable[..., Array]) -> Callable[..., Array]:
-    def run(*xs: Array) -> Array:
+    def run(*xs: ArrayLike) -> Array:
         with np.errstate(all="ignore"):
             return np.asarray(fn(*[np.asarray(x, dtype=np.float32) for x in xs]), dtype=np.float32)
 
@@ -135,26 +138,24 @@ BITVEC = {
     "right_shift": Op("right_shift", binary=_ints(np.right_shift), kind="bitvec"),
     "invert": Op("invert", unary=lambda x: np.invert(np.asarray(x).astype(np.int64)), kind="bitvec"),
 }
-ACTIVATION = {
-    name: Op(name, unary=_fp32(fn))
-    for name, fn in {
-        "copy": lambda x: x, "identity": lambda x: x,
-        "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x),
-        "reciprocal": lambda x: 1.0 / x, "tanh": np.tanh, "sigmoid": _sigmoid,
-        "relu": lambda x: np.maximum(x, 0.0),
-        "gelu": lambda x: 0.5 * x * (1.0 + _erf32(x / np.float32(math.sqrt(2.0)))),
-        "gelu_apprx_tanh": _gelu_tanh,
-        "gelu_apprx_sigmoid": lambda x: x * _sigmoid(1.702 * x),
-        "gelu_dx": _gelu_dx, "gelu_apprx_sigmoid_dx": _gelu_sig_dx,
-        "silu": lambda x: x * _sigmoid(x), "silu_dx": _silu_dx,
-        "softplus": _softplus, "mish": lambda x: x * np.tanh(_softplus(x)),
-        "erf": _erf32, "erf_dx": lambda x: np.float32(2.0 / math.sqrt(math.pi)) * np.exp(-x * x),
-        "sin": np.sin, "cos": np.cos, "tan": np.tan, "arctan": np.arctan,
-        "ceil": np.ceil, "floor": np.floor, "trunc": np.trunc,
-        "negative": np.negative, "sign": np.sign, "square": np.square,
-        "softsign": lambda x: x / (1.0 + np.abs(x)),
-    }.items()
+_ACTIVATION_FNS: dict[str, Callable[[Array], Array]] = {
+    "copy": lambda x: x, "identity": lambda x: x,
+    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x),
+    "reciprocal": lambda x: 1.0 / x, "tanh": np.tanh, "sigmoid": _sigmoid,
+    "relu": lambda x: np.maximum(x, 0.0),
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf32(x / np.float32(math.sqrt(2.0)))),
+    "gelu_apprx_tanh": _gelu_tanh,
+    "gelu_apprx_sigmoid": lambda x: x * _sigmoid(1.702 * x),
+    "gelu_dx": _gelu_dx, "gelu_apprx_sigmoid_dx": _gelu_sig_dx,
+    "silu": lambda x: x * _sigmoid(x), "silu_dx": _silu_dx,
+    "softplus": _softplus, "mish": lambda x: x * np.tanh(_softplus(x)),
+    "erf": _erf32, "erf_dx": lambda x: np.float32(2.0 / math.sqrt(math.pi)) * np.exp(-x * x),
+    "sin": np.sin, "cos": np.cos, "tan": np.tan, "arctan": np.arctan,
+    "ceil": np.ceil, "floor": np.floor, "trunc": np.trunc,
+    "negative": np.negative, "sign": np.sign, "square": np.square,
+    "softsign": lambda x: x / (1.0 + np.abs(x)),
 }
+ACTIVATION = {name: Op(name, unary=_fp32(fn)) for name, fn in _ACTIVATION_FNS.items()}
 # Operators that are both: usable as activation functions and as (unary) ALU operators.
 ACTIVATION["abs"] = Op("abs", unary=_fp32(np.abs), binary=_fp32(lambda a, b: np.abs(a)))
 ACTIVATION["rsqrt"].binary = _fp32(lambda a, b: 1.0 / np.sqrt(a))

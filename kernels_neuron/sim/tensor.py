@@ -59,7 +59,8 @@ class Indirect:
         rows = rows[: self.nums[self.dim]]
         grids = list(np.meshgrid(*[np.arange(n) for n in self.nums], indexing="ij"))  # NumPy 2 returns a tuple
         grids[self.dim] = rows[grids[self.dim]]
-        offsets = self.start + sum(g * s for g, s in zip(grids, self.steps))
+        # Summed onto the first term (nums is never empty): an array, where sum()'s default 0 start would type as int.
+        offsets = self.start + sum((g * s for g, s in zip(grids[1:], self.steps[1:])), grids[0] * self.steps[0])
         inside = (offsets >= 0) & (offsets < size)
         if not skip_oob and not inside.all():
             bad = rows[(~inside).any(axis=tuple(d for d in range(len(self.nums)) if d != self.dim))]
@@ -196,17 +197,19 @@ class Tensor:
         if not self._view.flags.writeable:
             raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
         self._view[...] = dtypes.cast(values, self._dtype).reshape(self.shape)
-        if self._buf.written is not None:
-            self._written_view()[...] = True
+        written = self._buf.written
+        if written is not None:
+            self._written_view(written)[...] = True
 
-    def _written_view(self) -> np.ndarray:
-        return _same_view(self._buf.written, self._buf.data, self._view)
+    def _written_view(self, written: np.ndarray) -> np.ndarray:
+        return _same_view(written, self._buf.data, self._view)
 
     def was_written(self) -> np.ndarray:
         """For PSUM tiles: which elements some instruction has written."""
-        if self._buf.written is None:
+        written = self._buf.written
+        if written is None:
             raise TypeError("only PSUM tensors track writes")
-        return self._written_view()
+        return self._written_view(written)
 
     # -- indexing ---------------------------------------------------------------------------
     def _direct(self, what: str) -> None:
@@ -254,7 +257,8 @@ class Tensor:
         if self.on_chip and len(key) == self.ndim and all(not isinstance(k, slice) for k in out[1:]):
             # On-chip views stay 2-D: when every free dim is indexed by an int, the last stays (size 1).
             last = out[-1]
-            out[-1] = slice(last, last + 1)
+            if isinstance(last, int):  # a 1-D on-chip view has no free dim: its partition index is a slice already
+                out[-1] = slice(last, last + 1)
         if self.on_chip and out and isinstance(out[0], slice) and out[0].step not in (None, 1):
             raise rule("index", repr(self), "the partition dimension cannot be strided", step=out[0].step)
         return tuple(out)

@@ -15,13 +15,18 @@ left of the query, so it is the kernel's window ``left + 1``; a right window nee
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from ._backend import SUPPORTED_FLOAT_DTYPES, autocast_dtype, check_float_tensor, is_dtensor
 from .attention import MAX_HEAD_DIM, _check_options, flash_attention, flash_attn_varlen
+
+_Result = TypeVar("_Result")
 
 _OP = "flash_attn_forward"
 
@@ -138,7 +143,7 @@ def flash_attn_forward(module: torch.nn.Module | None, query: torch.Tensor, key:
 _last_check: list = []  # [mask weakref, mask version, key, result] of the latest check
 
 
-def _once_per_mask(mask: torch.Tensor, key: tuple, check) -> object:
+def _once_per_mask(mask: torch.Tensor, key: tuple, check: Callable[[], _Result]) -> _Result:
     """``check()``, or its result for this same mask (unchanged since) and key."""
     version = mask._version
     if _last_check and _last_check[0]() is mask and _last_check[1:3] == [version, key]:
@@ -408,10 +413,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _check_options(op, softmax_scale, window, softcap or None, 0.0)
     batch, sq = q.shape[0], q.shape[1]
     new = 0 if k is None else k.shape[1]
-    options = dict(scale=softmax_scale, causal=causal, window=window, softcap=softcap or None)
+    attend = functools.partial(flash_attention, scale=softmax_scale, causal=causal, window=window,
+                               softcap=softcap or None, return_lse=True)
     keys, values = [], []
     for b, length in enumerate(lengths):
-        if k is not None:
+        if k is not None and v is not None:  # _check_kvcache: both or neither
             rows, slots = _cache_positions(k_cache, block_table, b,
                                            torch.arange(length, length + new, device=k_cache.device))
             k_cache[rows, slots] = k[b].to(k_cache.dtype)
@@ -421,8 +427,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         values.append(v_cache[rows, slots])
     query = q.transpose(1, 2)
     if len({len(x) for x in keys}) == 1 and keys[0].shape[0] > 0:  # one launch for the whole batch
-        out, lse = flash_attention(query, torch.stack(keys).transpose(1, 2), torch.stack(values).transpose(1, 2),
-                                   return_lse=True, **options)
+        out, lse = attend(query, torch.stack(keys).transpose(1, 2), torch.stack(values).transpose(1, 2))
     else:
         outs, lses = [], []
         for b in range(batch):
@@ -430,8 +435,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 outs.append(query.new_zeros((1,) + tuple(query.shape[1:])))
                 lses.append(query.new_full((1, query.shape[1], sq), float("-inf"), dtype=torch.float32))
                 continue
-            seq_out, seq_lse = flash_attention(query[b:b + 1], keys[b].transpose(0, 1).unsqueeze(0),
-                                               values[b].transpose(0, 1).unsqueeze(0), return_lse=True, **options)
+            seq_out, seq_lse = attend(query[b:b + 1], keys[b].transpose(0, 1).unsqueeze(0),
+                                      values[b].transpose(0, 1).unsqueeze(0))
             outs.append(seq_out)
             lses.append(seq_lse)
         out, lse = torch.cat(outs), torch.cat(lses)

@@ -258,9 +258,9 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         longest = max(b - a for a, b in zip(offsets, offsets[1:]))
         if int(value) < longest:
             raise ValueError(f"{op}: {name}={int(value)} is shorter than the longest sequence ({longest})")
-    for name, offsets in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if offsets.device != q.device:
-            raise ValueError(f"{op}: {name} is on {offsets.device} but q is on {q.device}")
+    for name, cu_seqlens in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"{op}: {name} is on {cu_seqlens.device} but q is on {q.device}")
     options = dict(scale=scale, causal=causal, window=window, softcap=softcap)
     if offsets_q == offsets_k:
         kept = [offsets_q[0]] + [b for a, b in zip(offsets_q, offsets_q[1:]) if b > a]  # empty sequences dropped

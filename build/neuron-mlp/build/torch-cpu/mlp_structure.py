@@ -53,8 +53,11 @@ def gated_mlp_form(cls: type) -> tuple[str, str] | None:
     ``down_proj(act(gate_proj(x)) * up_proj(x))`` ("gated_mlp") or Phi3's ``gate, up =
     gate_up_proj(x).chunk(2, dim=-1)`` then ``down_proj(up * act(gate))`` ("gated_mlp_fused"),
     with ``act`` the module's ``act_fn`` or ``activation_fn``; None otherwise."""
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return None
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError):
         return None
     function = tree.body[0] if tree.body else None
@@ -77,11 +80,13 @@ def gated_mlp_form(cls: type) -> tuple[str, str] | None:
         target = statement.targets[0]
         if isinstance(target, ast.Name):
             env[target.id] = _symbolic(statement.value, env)
-        elif (isinstance(target, ast.Tuple) and len(target.elts) == 2
-              and all(isinstance(e, ast.Name) for e in target.elts)):
+        elif isinstance(target, ast.Tuple) and len(target.elts) == 2:  # gate, up = ...
+            names = [e.id for e in target.elts if isinstance(e, ast.Name)]
+            if len(names) != 2:
+                return None
             whole = _chunk_halves(statement.value, env)
-            env[target.elts[0].id] = None if whole is None else ("half", 0, whole)
-            env[target.elts[1].id] = None if whole is None else ("half", 1, whole)
+            for index, half in enumerate(names):
+                env[half] = None if whole is None else ("half", index, whole)
         else:
             return None
     x = ("x",)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 NEURON_DEVICE = "neuron"
 SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,7 +80,7 @@ def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
-def is_dtensor(tensor: Any) -> bool:
+def is_dtensor(tensor: Any) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a ``torch.distributed`` DTensor (a sharded or replicated parameter)."""
     if not torch.distributed.is_available():
         return False

@@ -60,7 +60,7 @@ def activation_kind(act: object) -> str | None:
         return _TRANSFORMERS_ACTIVATIONS[cls.__name__]
     if cls is nn.SiLU or act is F.silu:
         return "silu"
-    if cls is nn.GELU:
+    if cls is nn.GELU and isinstance(act, nn.GELU):
         return "gelu_tanh" if act.approximate == "tanh" else None
     return None
 
@@ -235,7 +235,8 @@ def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, 
         if dtype is not None:
             x = x.to(dtype)
             if not updates or not any(updates):
-                w_gate, w_up, w_down = (t if t is None else t.to(dtype) for t in (w_gate, w_up, w_down))
+                w_gate, w_down = w_gate.to(dtype), w_down.to(dtype)
+                w_up = None if w_up is None else w_up.to(dtype)
     if updates and any(updates):
         return _gated_mlp_with_updates(x, w_gate, w_up, w_down, activation, updates)
     validate(x, w_gate, w_up, w_down, activation)

@@ -9,6 +9,8 @@ replaced by a DTensor) runs its own forward, with the reason on the module and a
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -58,7 +60,8 @@ def _forward(layer: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if reasons:
         return own_forward(module, "; ".join(reasons), x)
     epsilon, convention = _LAYERS[layer]
-    return rms_norm(x.contiguous(), module.weight, getattr(module, epsilon), convention)
+    weight = cast(torch.Tensor, module.weight)  # unsupported_reasons checked it is one
+    return rms_norm(x.contiguous(), weight, getattr(module, epsilon), convention)
 
 
 class RMSNorm(nn.Module):

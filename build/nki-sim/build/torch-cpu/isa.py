@@ -387,7 +387,9 @@ def nc_transpose(dst: Tensor, data: Tensor, engine: engine = engine.unknown, nam
 def _alu_apply(op: Op, a: Any, b: Any, reverse: bool = False) -> np.ndarray:
     if op is BYPASS:
         return b if reverse else a
-    return op.binary(b, a) if reverse else op.binary(a, b)
+    binary = op.binary
+    assert binary is not None  # as_alu admits only operators with a binary form
+    return binary(b, a) if reverse else binary(a, b)
 
 
 def _check_bitvec(instr: str, ops: Sequence[Op], tiles: dict[str, Tensor]) -> None:
@@ -543,8 +545,10 @@ def _reduce(op: Op, values: np.ndarray, axis: int = -1) -> np.ndarray:
         return ufunc.reduce(values.astype(np.int64), axis=axis)
     moved = np.moveaxis(values, axis, -1)
     result = moved[..., 0]
+    binary = op.binary
+    assert binary is not None  # as_alu admits only operators with a binary form
     for i in range(1, moved.shape[-1]):
-        result = op.binary(result, moved[..., i])
+        result = binary(result, moved[..., i])
     return result
 
 
@@ -684,8 +688,10 @@ def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0:
     scaled = np.broadcast_to(_alu_apply(first, operands.rows(src), operands.scalar_or_vector(imm0, instr, "imm0", parts, "vector")),
                              (parts, src.free_size))
     out = np.empty((parts, src.free_size), dtype=np.float32)
+    accumulate = second.binary
+    assert accumulate is not None  # as_alu admits only operators with a binary form
     for i in range(src.free_size):
-        lanes[:] = second.binary(scaled[:, i], lanes)
+        lanes[:] = accumulate(scaled[:, i], lanes)
         out[:, i] = lanes
     dst.write(out.reshape(dst.shape), instr)
     run.record("vector", "tensor_scalar_cumulative", reads=operands.reads(src=src, imm0=imm0, imm1=imm1), writes=[("dst", dst)])
@@ -712,7 +718,9 @@ def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, 
     if op.name == "prelu":
         slope = operands.scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
         return np.where(x >= 0, x, x * slope).astype(np.float32)
-    return op.unary(x.astype(np.float32))
+    unary = op.unary
+    assert unary is not None  # as_activation admits only operators with a unary form
+    return unary(x.astype(np.float32))
 
 
 def activation(dst: Tensor, op: Any, data: Tensor, bias: Any = None, scale: Any = 1.0, reduce_op: Any = None,
@@ -784,7 +792,9 @@ def activate2(dst: Tensor, op: Any, data: Tensor, imm0: Any, imm1: Any, op0: Any
         slope = operands.scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
         values = np.where(x >= 0, x, x * slope).astype(np.float32)
     else:
-        values = fn.unary(np.broadcast_to(x, (parts, data.free_size)).astype(np.float32))
+        unary = fn.unary
+        assert unary is not None  # as_activation admits only operators with a unary form
+        values = unary(np.broadcast_to(x, (parts, data.free_size)).astype(np.float32))
     dst.write(values.reshape(dst.shape), instr)
     if reduce_op is not None:
         red = as_alu(reduce_op, instr, "reduce_op")
@@ -810,7 +820,8 @@ def _affine_values(instr: str, pattern: Sequence[Sequence[int]], offset: int, ch
         raise rule(instr, "pattern", "element count must equal dst's elements per partition",
                    pattern_elements=int(np.prod(nums)), free_elements=free)
     grids = np.meshgrid(*[np.arange(n, dtype=np.int64) for n in nums], indexing="ij")
-    free_part = sum(g * s for g, s in zip(grids, steps)).reshape(-1)
+    # Summed onto the first term (there is at least one): an array, where sum()'s default 0 start would type as int.
+    free_part = sum((g * s for g, s in zip(grids[1:], steps[1:])), grids[0] * steps[0]).reshape(-1)
     lanes = np.arange(parts, dtype=np.int64)[:, None] * int(channel_multiplier)
     return int(offset) + lanes + free_part[None, :]
 
@@ -836,6 +847,7 @@ def affine_select(dst: Tensor, pattern: Sequence[Sequence[int]], channel_multipl
     if isinstance(on_false_value, Tensor):
         raise rule(instr, "on_false_value", "must be a float32 scalar")
     values = _affine_values(instr, pattern, offset, channel_multiplier, dst.partition_size, dst.free_size)
+    assert compare.binary is not None  # as_alu admits only operators with a binary form
     keep = compare.binary(values.astype(np.float32), np.float32(0)) != 0
     chosen = np.where(keep, operands.rows(on_true_tile), np.float32(on_false_value))
     dst.write(chosen.reshape(dst.shape), instr)
@@ -872,6 +884,7 @@ def range_select(dst: Tensor, on_true_tile: Tensor, comp_op0: Any, comp_op1: Any
     b0 = operands.scalar_or_vector(bound0, instr, "bound0", parts, "vector")
     b1 = operands.scalar_or_vector(bound1, instr, "bound1", parts, "vector")
     index = (int(range_start) + np.arange(on_true_tile.free_size, dtype=np.float32))[None, :]
+    assert c0.binary is not None and c1.binary is not None  # as_alu admits only operators with a binary form
     keep = (c0.binary(index, b0) != 0) & (c1.binary(index, b1) != 0)
     chosen = np.where(keep, operands.rows(on_true_tile), np.float32(operands.FP32_MIN)).astype(np.float32)
     dst.write(chosen.reshape(dst.shape), instr)

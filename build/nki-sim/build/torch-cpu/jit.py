@@ -33,7 +33,7 @@ def _shared_captures() -> threading.local:
     if holder is None:
         holder = sys.modules.setdefault(_CAPTURES_MODULE, types.ModuleType(_CAPTURES_MODULE))
     if not hasattr(holder, "local"):
-        holder.local = threading.local()
+        vars(holder)["local"] = threading.local()  # ModuleType declares no ``local``: set it in the namespace
     return holder.local
 
 
@@ -55,6 +55,8 @@ class SimResult:
 
 class Kernel:
     """A function decorated with ``@nki.jit``: call it to simulate, index it to launch an SPMD grid."""
+
+    func: Callable[..., Any]
 
     def __init__(self, func: Callable[..., Any], grid: tuple[int, ...] | None = None, **options: Any) -> None:
         if isinstance(func, Kernel):
