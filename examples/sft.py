@@ -28,8 +28,15 @@ from pathlib import Path
 import torch
 
 # A tiny Qwen3 whose every norm is one the RMSNorm kernel takes (head_dim 64 for the q/k norms).
-MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
 PACKED_LENGTH = 256  # sequences packed into rows of this many tokens ...
 PAD_MULTIPLE = 128  # ... padded to a multiple of this (static shapes on Neuron)
 TOLERANCE = 0.01  # largest relative loss difference bf16 training noise explains (measured: ~1e-4)
@@ -63,8 +70,13 @@ def model(kernelized: bool):
 
     torch.manual_seed(0)
     vocab = tokenizer()
-    config = Qwen3Config(**MODEL, vocab_size=len(vocab), pad_token_id=vocab.pad_token_id,
-                         eos_token_id=vocab.eos_token_id, bos_token_id=vocab.eos_token_id)
+    config = Qwen3Config(
+        **MODEL,
+        vocab_size=len(vocab),
+        pad_token_id=vocab.pad_token_id,
+        eos_token_id=vocab.eos_token_id,
+        bos_token_id=vocab.eos_token_id,
+    )
     result = Qwen3ForCausalLM(config)
     if kernelized:
         import kernels_neuron
@@ -88,10 +100,26 @@ def config(**overrides):
     packing into fixed-length rows, a few logged steps."""
     from trl import SFTConfig
 
-    return SFTConfig(**{**dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, packing=True,
-                               max_length=PACKED_LENGTH, pad_to_multiple_of=PAD_MULTIPLE, learning_rate=1e-3,
-                               logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
-                               dataloader_num_workers=0, disable_tqdm=True), **overrides})
+    return SFTConfig(
+        **{
+            **dict(
+                output_dir=tempfile.mkdtemp(),
+                per_device_train_batch_size=2,
+                packing=True,
+                max_length=PACKED_LENGTH,
+                pad_to_multiple_of=PAD_MULTIPLE,
+                learning_rate=1e-3,
+                logging_steps=1,
+                report_to=[],
+                use_cpu=True,
+                save_strategy="no",
+                seed=0,
+                dataloader_num_workers=0,
+                disable_tqdm=True,
+            ),
+            **overrides,
+        }
+    )
 
 
 def train(kernelized: bool, steps: int) -> tuple[list[float], object]:
@@ -99,8 +127,9 @@ def train(kernelized: bool, steps: int) -> tuple[list[float], object]:
     from transformers import PrinterCallback
     from trl import SFTTrainer
 
-    trainer = SFTTrainer(model=model(kernelized), args=config(max_steps=steps), train_dataset=dataset(),
-                         processing_class=tokenizer())
+    trainer = SFTTrainer(
+        model=model(kernelized), args=config(max_steps=steps), train_dataset=dataset(), processing_class=tokenizer()
+    )
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], trainer
@@ -123,8 +152,9 @@ def train_fully_sharded(kernelized: bool, steps: int) -> tuple[list[float], bool
     for layer in network.model.layers:
         fully_shard(layer)
     fully_shard(network)
-    trainer = SFTTrainer(model=network, args=config(max_steps=steps), train_dataset=dataset(),
-                         processing_class=tokenizer())
+    trainer = SFTTrainer(
+        model=network, args=config(max_steps=steps), train_dataset=dataset(), processing_class=tokenizer()
+    )
     optimizer = torch.optim.AdamW(network.parameters(), lr=1e-3)
     losses = []
     for _, batch in zip(range(steps), trainer.get_train_dataloader()):
@@ -152,7 +182,10 @@ def _fsdp_rank(out: str, steps: int) -> None:
     for kernelized in (False, True):
         losses, sharded, fallbacks = train_fully_sharded(kernelized, steps)
         results["kernelized" if kernelized else "transformers"] = {
-            "losses": losses, "sharded": sharded, "call_time_fallbacks": fallbacks}
+            "losses": losses,
+            "sharded": sharded,
+            "call_time_fallbacks": fallbacks,
+        }
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -168,9 +201,22 @@ def fsdp(steps: int) -> dict:
     """Both trainings on 2 gloo ranks, started the standard way (torch.distributed.run)."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch, "losses.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                   "127.0.0.1", "--master_port", str(_free_port()), __file__, "--fsdp-rank", str(out),
-                   "--steps", str(steps)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            __file__,
+            "--fsdp-rank",
+            str(out),
+            "--steps",
+            str(steps),
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"the FSDP2 ranks failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
@@ -191,7 +237,7 @@ def generate_from_checkpoint(path: str) -> tuple[bool, list[int]]:
     kernelized = kernels_neuron.kernelize(AutoModelForCausalLM.from_pretrained(path).eval(), device="neuron")
     with torch.no_grad():
         expected, got = plain.generate(prompt, **settings), kernelized.generate(prompt, **settings)
-    return torch.equal(got, expected), got[0, prompt.shape[1]:].tolist()
+    return torch.equal(got, expected), got[0, prompt.shape[1] :].tolist()
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -214,12 +260,17 @@ def run(steps: int = 4, with_fsdp: bool = True, console=None) -> bool:
         runs = {"1 process": (expected, losses, fallbacks)}
         if with_fsdp:
             sharded = fsdp(steps)
-            runs["FSDP2, 2 ranks"] = (sharded["transformers"]["losses"], sharded["kernelized"]["losses"],
-                                           sharded["kernelized"]["call_time_fallbacks"])
+            runs["FSDP2, 2 ranks"] = (
+                sharded["transformers"]["losses"],
+                sharded["kernelized"]["losses"],
+                sharded["kernelized"]["call_time_fallbacks"],
+            )
             ok &= sharded["kernelized"]["sharded"]
         same_tokens, tokens = generate_from_checkpoint(checkpoint)
-    table = Table(title=f"SFTTrainer, packed to {PACKED_LENGTH} tokens (padded to a multiple of {PAD_MULTIPLE}), "
-                        "default precision (bf16 autocast on the CPU)")
+    table = Table(
+        title=f"SFTTrainer, packed to {PACKED_LENGTH} tokens (padded to a multiple of {PAD_MULTIPLE}), "
+        "default precision (bf16 autocast on the CPU)"
+    )
     for column in ("run", "step", "loss: transformers", "loss: kernelized", "relative difference"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for name, (want, got, fallbacks) in runs.items():
@@ -230,12 +281,16 @@ def run(steps: int = 4, with_fsdp: bool = True, console=None) -> bool:
             console.print(f"[red]{name}: modules fell back to their own forward: {fallbacks}[/]")
     console.print(table)
     if with_fsdp:
-        console.print("FSDP2 rows: fully_shard per decoder layer, TRL's packed batches, bf16 autocast, AdamW, in a "
-                      "loop: on the CPU Accelerate wraps models in DDP instead of applying fsdp_config (with or "
-                      "without kernels); on Trainium SFTConfig(fsdp=True, fsdp_config={'fsdp_version': 2}) does it.")
+        console.print(
+            "FSDP2 rows: fully_shard per decoder layer, TRL's packed batches, bf16 autocast, AdamW, in a "
+            "loop: on the CPU Accelerate wraps models in DDP instead of applying fsdp_config (with or "
+            "without kernels); on Trainium SFTConfig(fsdp=True, fsdp_config={'fsdp_version': 2}) does it."
+        )
     text = tokenizer().decode(tokens)
-    console.print(f"checkpoint reloaded in plain transformers, kernelized, generate with a static cache: {text!r} - "
-                  + ("the same tokens as the plain model" if same_tokens else "[red]different tokens[/]"))
+    console.print(
+        f"checkpoint reloaded in plain transformers, kernelized, generate with a static cache: {text!r} - "
+        + ("the same tokens as the plain model" if same_tokens else "[red]different tokens[/]")
+    )
     return ok and same_tokens
 
 

@@ -40,18 +40,38 @@ def _examples(args: argparse.Namespace) -> int:
     bf16 = ml_dtypes.bfloat16
     x = rng.standard_normal((300, 1000)).astype(np.float32)
     cases: dict[str, tuple[tuple, dict, DTypeLike]] = {
-        "tiled_matmul": ((rng.standard_normal((384, 256)).astype(bf16), rng.standard_normal((384, 1024)).astype(bf16)), {}, bf16),
+        "tiled_matmul": (
+            (rng.standard_normal((384, 256)).astype(bf16), rng.standard_normal((384, 1024)).astype(bf16)),
+            {},
+            bf16,
+        ),
         "transpose_2d": ((rng.standard_normal((300, 260)).astype(bf16),), {}, bf16),
         "row_softmax": ((x,), {}, np.float32),
-        "layernorm": ((x, rng.standard_normal((1, 1000)).astype(np.float32),
-                       rng.standard_normal((1, 1000)).astype(np.float32), 1e-5), {}, np.float32),
+        "layernorm": (
+            (
+                x,
+                rng.standard_normal((1, 1000)).astype(np.float32),
+                rng.standard_normal((1, 1000)).astype(np.float32),
+                1e-5,
+            ),
+            {},
+            np.float32,
+        ),
         "spmd_scaled_add": ((x, x[::-1].copy(), 0.5), {"grid": 3}, np.float32),
     }
     chosen = [args.example] if args.example else list(cases)
     console.print(f"nki backend: [bold]{backend}[/] · target: [bold]{args.target}[/]")
     table = Table(title="bundled NKI example kernels on the CPU simulator")
-    for column in ("kernel", "inputs", "max |err| vs NumPy", "check", "instructions", "HBM bytes",
-                   "peak SBUF B/part", "peak PSUM B/part"):
+    for column in (
+        "kernel",
+        "inputs",
+        "max |err| vs NumPy",
+        "check",
+        "instructions",
+        "HBM bytes",
+        "peak SBUF B/part",
+        "peak PSUM B/part",
+    ):
         table.add_column(column, justify="right" if column not in ("kernel", "inputs", "check") else "left")
     traces = {}
     failed = False
@@ -63,13 +83,21 @@ def _examples(args: argparse.Namespace) -> int:
         error = float(np.max(np.abs(result.outputs.astype(np.float32) - expected.astype(np.float32))))
         # Tolerance: one rounding of the output dtype, relative to the result's magnitude.
         scale = float(np.max(np.abs(expected.astype(np.float32)))) or 1.0
-        tolerance = (2 ** -7 if dtype == bf16 else 1e-5) * scale
+        tolerance = (2**-7 if dtype == bf16 else 1e-5) * scale
         ok = error <= tolerance
         failed |= not ok
         shapes = ", ".join("x".join(map(str, a.shape)) for a in inputs if hasattr(a, "shape"))
         trace = result.trace
-        table.add_row(name, shapes, f"{error:.3g}", "[green]PASS[/]" if ok else "[red]FAIL[/]", str(len(trace)),
-                      f"{trace.hbm_bytes:,}", f"{trace.sbuf_peak_bytes:,}", f"{trace.psum_peak_bytes:,}")
+        table.add_row(
+            name,
+            shapes,
+            f"{error:.3g}",
+            "[green]PASS[/]" if ok else "[red]FAIL[/]",
+            str(len(trace)),
+            f"{trace.hbm_bytes:,}",
+            f"{trace.sbuf_peak_bytes:,}",
+            f"{trace.psum_peak_bytes:,}",
+        )
         traces[name] = trace
     console.print(table)
     first = chosen[0]
@@ -97,6 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
     """Simulate and model every suite case; print the table, optionally write JSON and a plot."""
     from kernels_neuron import bench
     from kernels_neuron.bench.suite import CASES as cases
+
     console = Console(width=None if sys.stdout.isatty() else 220)
     try:
         records = bench.run_suite(cases, target=args.target, name_filter=args.filter, progress=sys.stderr.isatty())
@@ -123,8 +152,10 @@ def _build(args: argparse.Namespace) -> int:
     if args.check:
         problems = hub.stale()
         if problems:
-            console.print(f"[red]build/ is stale[/]: {len(problems)} files differ from a fresh build "
-                          "(+ missing, - extra, ~ changed); run `kernels-neuron build`")
+            console.print(
+                f"[red]build/ is stale[/]: {len(problems)} files differ from a fresh build "
+                "(+ missing, - extra, ~ changed); run `kernels-neuron build`"
+            )
             for line in problems:
                 console.print(f"  {line}", markup=False)
             return 1
@@ -134,8 +165,10 @@ def _build(args: argparse.Namespace) -> int:
     from kernels_neuron.paths import IS_CHECKOUT
 
     if not IS_CHECKOUT:
-        console.print(f"[red]kernels-neuron build regenerates a source checkout's build/; this kernels-neuron is "
-                      f"an installed package, whose {hub.BUILD_DIR} is read-only[/] (`build --check` verifies it)")
+        console.print(
+            f"[red]kernels-neuron build regenerates a source checkout's build/; this kernels-neuron is "
+            f"an installed package, whose {hub.BUILD_DIR} is read-only[/] (`build --check` verifies it)"
+        )
         return 2
     try:
         files = hub.write(prune=args.prune)
@@ -172,6 +205,7 @@ def _list(args: argparse.Namespace) -> int:
     table = Table(title=f"registry.toml (Hub org {reg.org})")
     for column in ("layer name", "repo", "kernel layer", "modes", "replaces", "a module must be", "build"):
         table.add_column(column, overflow="fold", no_wrap=column in ("layer name", "repo", "build"))
+
     def status(repo: str) -> str:
         # A kernel repo's torch-cpu variant loads the simulator from nki-sim: its staleness counts too.
         prefixes = tuple(f"{name}/" for name in {repo, "nki-sim"})
@@ -183,12 +217,25 @@ def _list(args: argparse.Namespace) -> int:
         replaces = ", ".join(layer.classes) if layer.classes else f"classes tagged {layer.name!r}"
         if layer.discover:
             replaces += f"; any *{layer.discover} whose forward computes the same"
-        table.add_row(layer.name, f"{reg.repo_id(layer.repo)} v{reg.repos[layer.repo].version}", layer.kernel_layer,
-                      ", ".join(layer.modes), replaces, layer_limits(reg, layer), status(layer.repo))
+        table.add_row(
+            layer.name,
+            f"{reg.repo_id(layer.repo)} v{reg.repos[layer.repo].version}",
+            layer.kernel_layer,
+            ", ".join(layer.modes),
+            replaces,
+            layer_limits(reg, layer),
+            status(layer.repo),
+        )
     for attention in reg.attention:
-        table.add_row(attention.name, f"{reg.repo_id(attention.repo)} v{reg.repos[attention.repo].version}",
-                      attention.function, ", ".join(attention.modes), "attention modules (AttentionInterface)",
-                      "per module: the function's unsupported_reasons", status(attention.repo))
+        table.add_row(
+            attention.name,
+            f"{reg.repo_id(attention.repo)} v{reg.repos[attention.repo].version}",
+            attention.function,
+            ", ".join(attention.modes),
+            "attention modules (AttentionInterface)",
+            "per module: the function's unsupported_reasons",
+            status(attention.repo),
+        )
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
 
@@ -199,15 +246,25 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="kernelize a tiny Qwen3 for neuron and run it on the simulator")
     demo.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
     demo.set_defaults(run=_demo)
-    examples = commands.add_parser("examples", help="simulate the bundled example NKI kernels and check them; "
-                                   "'examples sft': the training workflow (TRL SFT, FSDP2, generate)")
-    examples.add_argument("workflow", nargs="?", choices=["sft"],
-                          help="sft: SFTTrainer on a kernelized tiny Qwen3, in one process and with FSDP2 on 2 gloo "
-                               "ranks, then save, reload, kernelize and generate (needs the examples extra)")
+    examples = commands.add_parser(
+        "examples",
+        help="simulate the bundled example NKI kernels and check them; "
+        "'examples sft': the training workflow (TRL SFT, FSDP2, generate)",
+    )
+    examples.add_argument(
+        "workflow",
+        nargs="?",
+        choices=["sft"],
+        help="sft: SFTTrainer on a kernelized tiny Qwen3, in one process and with FSDP2 on 2 gloo "
+        "ranks, then save, reload, kernelize and generate (needs the examples extra)",
+    )
     examples.add_argument("--steps", type=int, default=4, help="sft: training steps per run")
     examples.add_argument("--no-fsdp", action="store_true", help="sft: skip the FSDP2 runs")
-    examples.add_argument("--example", choices=["tiled_matmul", "transpose_2d", "row_softmax", "layernorm",
-                                                "spmd_scaled_add"], help="run only this example kernel")
+    examples.add_argument(
+        "--example",
+        choices=["tiled_matmul", "transpose_2d", "row_softmax", "layernorm", "spmd_scaled_add"],
+        help="run only this example kernel",
+    )
     examples.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
     examples.set_defaults(run=_examples)
     bench_cmd = commands.add_parser("bench", help="run the microbenchmark suite (modelled Trainium times)")
@@ -218,12 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.set_defaults(run=_bench)
     build_cmd = commands.add_parser("build", help="regenerate build/ (the Hub repos) from the sources")
     build_cmd.add_argument("--check", action="store_true", help="fail if build/ differs from a fresh build")
-    build_cmd.add_argument("--prune", action="store_true",
-                           help="delete files inside build/<repo>/ that the build does not produce (else refused)")
+    build_cmd.add_argument(
+        "--prune",
+        action="store_true",
+        help="delete files inside build/<repo>/ that the build does not produce (else refused)",
+    )
     build_cmd.set_defaults(run=_build)
     install_cmd = commands.add_parser("install", help="install build/ into the local HF cache (refs/vN + snapshot)")
-    install_cmd.add_argument("--cache", help="HF hub cache directory (default: where the kernels library looks, "
-                             "$KERNELS_CACHE else HF_HUB_CACHE)")
+    install_cmd.add_argument(
+        "--cache",
+        help="HF hub cache directory (default: where the kernels library looks, $KERNELS_CACHE else HF_HUB_CACHE)",
+    )
     install_cmd.set_defaults(run=_install)
     list_cmd = commands.add_parser("list", help="show the registry with each entry's build status")
     list_cmd.set_defaults(run=_list)

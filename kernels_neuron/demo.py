@@ -22,9 +22,16 @@ from . import cost, sim
 if TYPE_CHECKING:
     from transformers import Qwen3ForCausalLM
 
-DEMO_CONFIG: dict[str, Any] = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=64, vocab_size=128,
-                                    max_position_embeddings=256)
+DEMO_CONFIG: dict[str, Any] = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
 PROMPT_TOKENS = 16
 NEW_TOKENS = 8
 
@@ -81,5 +88,6 @@ def run(target: str = "trn2", console: Console | None = None) -> DemoResult:
     console.print(timing)
     console.print(f"max |logit deviation| from the un-kernelized model: {deviation:.3g} (fp32)")
     console.print(f"greedy generate ({NEW_TOKENS} new tokens) gives the same tokens: {'yes' if same else 'NO'}")
-    return DemoResult(len(report.swapped), len(report.fallbacks), deviation, same,
-                      {k: (len(v), sum(v)) for k, v in by_kernel.items()})
+    return DemoResult(
+        len(report.swapped), len(report.fallbacks), deviation, same, {k: (len(v), sum(v)) for k, v in by_kernel.items()}
+    )

@@ -83,7 +83,9 @@ class Registry:
         """The layer for a module class: by class name, else by the layer name it is tagged with
         (transformers' ``kernel_layer_name``)."""
         tag = getattr(cls, "kernel_layer_name", None)
-        return self._layers_by_class.get(cls.__name__) or (self._layers_by_name.get(tag) if isinstance(tag, str) else None)
+        return self._layers_by_class.get(cls.__name__) or (
+            self._layers_by_name.get(tag) if isinstance(tag, str) else None
+        )
 
 
 def _check_entry(where: str, entry: dict[str, Any], required: tuple[str, ...], repos: dict[str, Repo]) -> None:
@@ -116,8 +118,10 @@ def _check_names(org: str, repo: str) -> None:
     except HFValidationError as exc:
         raise ValueError(f"registry: {org + '/' + repo!r} is not a valid Hub repo id: {exc}") from None
     if not KERNEL_NAME.fullmatch(repo):
-        raise ValueError(f"registry: repo name {repo!r} is not a valid kernel name (lowercase letters, digits and "
-                         f"'-', starting with a letter: {KERNEL_NAME.pattern})")
+        raise ValueError(
+            f"registry: repo name {repo!r} is not a valid kernel name (lowercase letters, digits and "
+            f"'-', starting with a letter: {KERNEL_NAME.pattern})"
+        )
 
 
 def load(path: Path | str = REGISTRY_PATH) -> Registry:
@@ -137,9 +141,17 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
             raise ValueError(f"registry: repo {name!r}: kind {kind!r} is not one of {REPO_KINDS}")
         if not isinstance(entry.get("version"), int) or entry["version"] < 1:
             raise ValueError(f"registry: repo {name!r}: version must be a positive integer")
-        repos[name] = Repo(name=name, version=entry["version"], kind=kind, description=entry.get("description", ""),
-                           ops=tuple(entry.get("ops", ())), layers=entry.get("layers"), nki=tuple(entry.get("nki", ())),
-                           exports=tuple(entry.get("exports", ())), benchmarks=tuple(entry.get("benchmarks", ())))
+        repos[name] = Repo(
+            name=name,
+            version=entry["version"],
+            kind=kind,
+            description=entry.get("description", ""),
+            ops=tuple(entry.get("ops", ())),
+            layers=entry.get("layers"),
+            nki=tuple(entry.get("nki", ())),
+            exports=tuple(entry.get("exports", ())),
+            benchmarks=tuple(entry.get("benchmarks", ())),
+        )
     layers = []
     for i, entry in enumerate(raw.get("layers", ())):
         where = f"registry: layers[{i}] ({entry.get('name', '?')})"
@@ -148,9 +160,16 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
         unknown = set(entry) - {"name", "repo", "kernel_layer", "modes", "classes", "discover"}
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
-        layers.append(Layer(name=entry["name"], repo=entry["repo"], kernel_layer=entry["kernel_layer"],
-                            modes=tuple(entry["modes"]), classes=tuple(entry.get("classes", ())),
-                            discover=entry.get("discover")))
+        layers.append(
+            Layer(
+                name=entry["name"],
+                repo=entry["repo"],
+                kernel_layer=entry["kernel_layer"],
+                modes=tuple(entry["modes"]),
+                classes=tuple(entry.get("classes", ())),
+                discover=entry.get("discover"),
+            )
+        )
     attention = []
     for i, entry in enumerate(raw.get("attention", ())):
         where = f"registry: attention[{i}] ({entry.get('name', '?')})"
@@ -158,10 +177,14 @@ def load(path: Path | str = REGISTRY_PATH) -> Registry:
         if entry["function"] not in repos[entry["repo"]].export_names:
             raise ValueError(f"{where}: function {entry['function']!r} is not among the exports of {entry['repo']!r}")
         if "flash" in entry["name"]:
-            raise ValueError(f"{where}: the name must not contain 'flash' (transformers would treat it as a "
-                             "flash-attention implementation)")
+            raise ValueError(
+                f"{where}: the name must not contain 'flash' (transformers would treat it as a "
+                "flash-attention implementation)"
+            )
         _check_modes(where, entry["modes"])
-        attention.append(Attention(name=entry["name"], repo=entry["repo"], function=entry["function"],
-                                   modes=tuple(entry["modes"])))
-    return Registry(org=org, license=hub.get("license", "apache-2.0"), repos=repos,
-                    layers=tuple(layers), attention=tuple(attention))
+        attention.append(
+            Attention(name=entry["name"], repo=entry["repo"], function=entry["function"], modes=tuple(entry["modes"]))
+        )
+    return Registry(
+        org=org, license=hub.get("license", "apache-2.0"), repos=repos, layers=tuple(layers), attention=tuple(attention)
+    )

@@ -8,9 +8,20 @@ from kernels_neuron import bench
 from kernels_neuron.bench.suite import CASES
 from kernels_neuron.cli import main
 
-REQUIRED = {"name": str, "kernel": str, "shape": dict, "dtype": str, "target": str, "modelled_us": float,
-            "roofline_us": float, "tflops": float, "pct_tensor_peak": float, "hbm_gbps": float,
-            "pct_hbm_peak": float, "sim_wall_s": float}
+REQUIRED = {
+    "name": str,
+    "kernel": str,
+    "shape": dict,
+    "dtype": str,
+    "target": str,
+    "modelled_us": float,
+    "roofline_us": float,
+    "tflops": float,
+    "pct_tensor_peak": float,
+    "hbm_gbps": float,
+    "pct_hbm_peak": float,
+    "sim_wall_s": float,
+}
 DECODE = "decode128"
 
 

@@ -19,8 +19,23 @@ from kernels_neuron import hub, paths
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           str(paths.DATA_DIR), "-w", str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(paths.DATA_DIR),
+            "-w",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     (path,) = out.glob("kernels_neuron-*.whl")
     return path
@@ -30,8 +45,12 @@ def test_the_wheel_carries_what_a_checkout_keeps_at_its_root_and_leaves_build_cl
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "kernels_neuron/_data/registry.toml" in names
     assert {f"kernels_neuron/_data/build/{p}" for p in hub.build_tree()} <= names
-    assert {"kernels_neuron/bench/suite.py", "kernels_neuron/_data/examples/sft.py",
-            "nki_src/attention.py", "kernels_neuron/ops/attention_launches.py"} <= names
+    assert {
+        "kernels_neuron/bench/suite.py",
+        "kernels_neuron/_data/examples/sft.py",
+        "nki_src/attention.py",
+        "kernels_neuron/ops/attention_launches.py",
+    } <= names
     assert not any("__pycache__" in n for n in names)
     assert hub.stale() == [] and not (paths.BUILD_DIR / "lib").exists()  # no scratch folder in build/
 
@@ -41,8 +60,12 @@ def test_installed_from_the_wheel_list_install_demo_and_kernelize_work(wheel, tm
     environment = tmp_path / "venv"
     venv.create(environment, with_pip=False)
     python = environment / "bin" / "python"
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
-                           str(wheel)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     # torch, transformers ... from this environment, without its editable kernels-neuron (a .pth here
     # adds the directory only: the editable install's own .pth files there are not processed)
@@ -69,7 +92,13 @@ def test_installed_from_the_wheel_list_install_demo_and_kernelize_work(wheel, tm
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(result["file"]).is_relative_to(environment) and result["checkout"] is False
-    assert result["codes"] == {"list": 0, "install": 0, "demo": 0, "build": 2, "build --check": 0,
-                               "bench --filter decode128": 0}
+    assert result["codes"] == {
+        "list": 0,
+        "install": 0,
+        "demo": 0,
+        "build": 2,
+        "build --check": 0,
+        "bench --filter decode128": 0,
+    }
     assert result["demo"] and result["read_only"] and result["swapped"] == 5
     assert (tmp_path / "cache" / "kernels--kernels-neuron--neuron-rmsnorm" / "refs" / "v1").is_file()

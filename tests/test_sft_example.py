@@ -15,8 +15,12 @@ def test_kernels_neuron_examples_sft_passes(capsys):
     out = capsys.readouterr().out
     assert "sft example passed" in out
     rows = re.findall(r"│ (1 process|FSDP2, 2 ranks) +│ +(\d) │ +([\d.]+) │ +([\d.]+) │", out)
-    assert [(run, step) for run, step, *_ in rows] == [("1 process", "1"), ("1 process", "2"),
-                                                        ("FSDP2, 2 ranks", "1"), ("FSDP2, 2 ranks", "2")]
+    assert [(run, step) for run, step, *_ in rows] == [
+        ("1 process", "1"),
+        ("1 process", "2"),
+        ("FSDP2, 2 ranks", "1"),
+        ("FSDP2, 2 ranks", "2"),
+    ]
     for _, _, want, got in rows:
         assert abs(float(got) - float(want)) <= 0.01 * float(want)
     assert "the same tokens as the plain model" in out

@@ -12,5 +12,15 @@ from .case import Case, Record
 from .output import plot_roofline, render_table, write_json
 from .runner import device_available, device_calls, run_case, run_suite, torch_inputs
 
-__all__ = ["Case", "Record", "run_case", "run_suite", "device_available", "device_calls", "torch_inputs",
-           "render_table", "write_json", "plot_roofline"]
+__all__ = [
+    "Case",
+    "Record",
+    "run_case",
+    "run_suite",
+    "device_available",
+    "device_calls",
+    "torch_inputs",
+    "render_table",
+    "write_json",
+    "plot_roofline",
+]

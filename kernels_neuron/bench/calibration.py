@@ -41,7 +41,7 @@ def _result_tile(acc, out, m0: int, n0: int) -> None:
     """Evict one PSUM accumulator to SBUF (casting to the output dtype) and store it."""
     tile = nl.ndarray(acc.shape, out.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=tile, src=acc)
-    nisa.dma_copy(dst=out[m0:m0 + TILE_M, n0:n0 + TILE_N], src=tile)
+    nisa.dma_copy(dst=out[m0 : m0 + TILE_M, n0 : n0 + TILE_N], src=tile)
 
 
 def _column(src, col0: int, width: int) -> list:
@@ -49,7 +49,7 @@ def _column(src, col0: int, width: int) -> list:
     tiles = []
     for k in nl.affine_range(src.shape[0] // TILE_K):
         tile = nl.ndarray((TILE_K, width), src.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=src[k * TILE_K:(k + 1) * TILE_K, col0:col0 + width])
+        nisa.dma_copy(dst=tile, src=src[k * TILE_K : (k + 1) * TILE_K, col0 : col0 + width])
         tiles.append(tile)
     return tiles
 
@@ -64,9 +64,9 @@ def basic_tiled(lhs_t, rhs):
             acc = nl.ndarray((TILE_M, TILE_N), nl.float32, buffer=nl.psum)
             for k in nl.affine_range(k_total // TILE_K):
                 a = nl.ndarray((TILE_K, TILE_M), lhs_t.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=a, src=lhs_t[k * TILE_K:(k + 1) * TILE_K, m * TILE_M:(m + 1) * TILE_M])
+                nisa.dma_copy(dst=a, src=lhs_t[k * TILE_K : (k + 1) * TILE_K, m * TILE_M : (m + 1) * TILE_M])
                 b = nl.ndarray((TILE_K, TILE_N), rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=b, src=rhs[k * TILE_K:(k + 1) * TILE_K, n * TILE_N:(n + 1) * TILE_N])
+                nisa.dma_copy(dst=b, src=rhs[k * TILE_K : (k + 1) * TILE_K, n * TILE_N : (n + 1) * TILE_N])
                 nisa.nc_matmul(dst=acc, stationary=a, moving=b)
             _result_tile(acc, out, m * TILE_M, n * TILE_N)
     return out
@@ -120,28 +120,33 @@ def fully_optimized(lhs_t, rhs, tiles_m=16, tiles_n=2, tiles_k=8):
     out = nl.ndarray((m_total, n_total), lhs_t.dtype, buffer=nl.shared_hbm)
     for nb in nl.affine_range(n_total // block_n):
         # Partial sums for this N block over all of M live in SBUF across the K blocks.
-        results = [[nl.ndarray((TILE_M, TILE_N), lhs_t.dtype, buffer=nl.sbuf) for _ in range(tiles_n)]
-                   for _ in range(m_total // TILE_M)]
+        results = [
+            [nl.ndarray((TILE_M, TILE_N), lhs_t.dtype, buffer=nl.sbuf) for _ in range(tiles_n)]
+            for _ in range(m_total // TILE_M)
+        ]
         for kb in nl.sequential_range(k_total // block_k):
             rhs_block = []
             for kt in range(tiles_k):
                 k0 = kb * block_k + kt * TILE_K
                 b = nl.ndarray((TILE_K, block_n), rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=b, src=rhs[k0:k0 + TILE_K, nb * block_n:(nb + 1) * block_n])
+                nisa.dma_copy(dst=b, src=rhs[k0 : k0 + TILE_K, nb * block_n : (nb + 1) * block_n])
                 rhs_block.append(b)
             for mb in nl.affine_range(m_total // block_m):
                 lhs_block = []
                 for kt in range(tiles_k):
                     k0 = kb * block_k + kt * TILE_K
                     a = nl.ndarray((TILE_K, block_m), lhs_t.dtype, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=a, src=lhs_t[k0:k0 + TILE_K, mb * block_m:(mb + 1) * block_m])
+                    nisa.dma_copy(dst=a, src=lhs_t[k0 : k0 + TILE_K, mb * block_m : (mb + 1) * block_m])
                     lhs_block.append(a)
                 for i in range(tiles_m):
                     for j in range(tiles_n):
                         acc = nl.ndarray((TILE_M, TILE_N), nl.float32, buffer=nl.psum)
                         for kt in range(tiles_k):
-                            nisa.nc_matmul(dst=acc, stationary=lhs_block[kt][:, i * TILE_M:(i + 1) * TILE_M],
-                                           moving=rhs_block[kt][:, j * TILE_N:(j + 1) * TILE_N])
+                            nisa.nc_matmul(
+                                dst=acc,
+                                stationary=lhs_block[kt][:, i * TILE_M : (i + 1) * TILE_M],
+                                moving=rhs_block[kt][:, j * TILE_N : (j + 1) * TILE_N],
+                            )
                         partial = results[mb * tiles_m + i][j]
                         if kb == 0:
                             nisa.tensor_copy(dst=partial, src=acc)
@@ -150,7 +155,7 @@ def fully_optimized(lhs_t, rhs, tiles_m=16, tiles_n=2, tiles_k=8):
         for mt, row in enumerate(results):
             for j, tile in enumerate(row):
                 n0 = nb * block_n + j * TILE_N
-                nisa.dma_copy(dst=out[mt * TILE_M:(mt + 1) * TILE_M, n0:n0 + TILE_N], src=tile)
+                nisa.dma_copy(dst=out[mt * TILE_M : (mt + 1) * TILE_M, n0 : n0 + TILE_N], src=tile)
     return out
 
 
@@ -177,16 +182,19 @@ STAGES = (
 
 def operands(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((k, m)).astype(ml_dtypes.bfloat16),
-            rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16))
+    return (
+        rng.standard_normal((k, m)).astype(ml_dtypes.bfloat16),
+        rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16),
+    )
 
 
 def _modelled_ms(stage: Stage, m: int, k: int, n: int, target: str) -> float:
     return cost.estimate(stage.kernel, *operands(m, k, n), target=target).time_us / 1e3
 
 
-def model_stage(stage: Stage, m: int = FULL_M, k: int = FULL_K, n: int = FULL_N, *, target: str = "trn1",
-                whole: bool = False) -> float:
+def model_stage(
+    stage: Stage, m: int = FULL_M, k: int = FULL_K, n: int = FULL_N, *, target: str = "trn1", whole: bool = False
+) -> float:
     """Modelled ms for ``[m, k] @ [k, n]``, from slices scaled by the stage's loop structure.
 
     ``whole=True`` models the problem unsliced instead (slow at the tutorial's size).
@@ -210,12 +218,20 @@ def calibrate(target: str = "trn1") -> list[dict]:
     rows = []
     for stage in STAGES:
         modelled = model_stage(stage, target=target)
-        rows.append({"stage": stage.name, "published_ms": stage.published_ms, "modelled_ms": modelled,
-                     "ratio": modelled / stage.published_ms})
+        rows.append(
+            {
+                "stage": stage.name,
+                "published_ms": stage.published_ms,
+                "modelled_ms": modelled,
+                "ratio": modelled / stage.published_ms,
+            }
+        )
     return rows
 
 
 if __name__ == "__main__":
     for row in calibrate():
-        print(f"{row['stage']:<20} published {row['published_ms']:6.2f} ms   modelled {row['modelled_ms']:6.2f} ms"
-              f"   ratio {row['ratio']:.2f}")
+        print(
+            f"{row['stage']:<20} published {row['published_ms']:6.2f} ms   modelled {row['modelled_ms']:6.2f} ms"
+            f"   ratio {row['ratio']:.2f}"
+        )

@@ -26,17 +26,33 @@ def render_table(records: Sequence[Record]) -> Table:
     table.add_column("case", no_wrap=True)
     for column in ("model", "shape", "dtype"):
         table.add_column(column, overflow="fold")
-    for column in (f"modelled µs ({target})", "roofline µs (bound)", "% of roofline", "TFLOPS (% peak)",
-                   "GB/s (% HBM BW)", "sim wall s"):
+    for column in (
+        f"modelled µs ({target})",
+        "roofline µs (bound)",
+        "% of roofline",
+        "TFLOPS (% peak)",
+        "GB/s (% HBM BW)",
+        "sim wall s",
+    ):
         table.add_column(column, justify="right", overflow="fold")
     table.add_column("replaces", overflow="fold")
     if measured:
         table.add_column("measured µs (device)", justify="right")
         table.add_column("reference measured µs", justify="right")
     for r in records:
-        row = [r.name, r.model, _shape(r), r.dtype, f"{r.modelled_us:,.1f}", f"{r.roofline_us:,.1f} ({r.bound})",
-               f"{r.pct_of_roofline:.0f}%", f"{r.tflops:.1f} ({r.pct_tensor_peak:.1f}%)",
-               f"{r.hbm_gbps:.0f} ({r.pct_hbm_peak:.1f}%)", f"{r.sim_wall_s:.2f}", r.reference]
+        row = [
+            r.name,
+            r.model,
+            _shape(r),
+            r.dtype,
+            f"{r.modelled_us:,.1f}",
+            f"{r.roofline_us:,.1f} ({r.bound})",
+            f"{r.pct_of_roofline:.0f}%",
+            f"{r.tflops:.1f} ({r.pct_tensor_peak:.1f}%)",
+            f"{r.hbm_gbps:.0f} ({r.pct_hbm_peak:.1f}%)",
+            f"{r.sim_wall_s:.2f}",
+            r.reference,
+        ]
         if measured:
             row += [_maybe(r.measured_us), _maybe(r.reference_measured_us)]
         table.add_row(*row)
@@ -52,7 +68,7 @@ def write_json(records: Sequence[Record], path: str | Path) -> None:
     payload = {
         "schema_version": JSON_SCHEMA_VERSION,
         "note": "modelled_* figures are kernels-neuron cost-model estimates, not measurements; "
-                "measured_* are device timings and null where no Trainium was present",
+        "measured_* are device timings and null where no Trainium was present",
         "records": [r.as_dict() for r in records],
     }
     Path(path).write_text(json.dumps(payload, indent=2))
@@ -73,16 +89,27 @@ def plot_roofline(records: Sequence[Record], path: str | Path) -> None:
     bandwidth = hw.hbm_bytes_per_s
     fig, (roof, share) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     intensity = np.logspace(-1, 4, 200)
-    roof.loglog(intensity, np.minimum(peak_tflops, intensity * bandwidth / 1e12), color="black", lw=2,
-                label=f"{hw.name} roof: {peak_tflops:.1f} TFLOPS bf16, {bandwidth / 1e9:.0f} GB/s HBM per core")
+    roof.loglog(
+        intensity,
+        np.minimum(peak_tflops, intensity * bandwidth / 1e12),
+        color="black",
+        lw=2,
+        label=f"{hw.name} roof: {peak_tflops:.1f} TFLOPS bf16, {bandwidth / 1e9:.0f} GB/s HBM per core",
+    )
     ridge = hw.tensor_peak_flops / bandwidth
     roof.axvline(ridge, color="grey", ls=":", lw=1)
     roof.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak_tflops / 30), rotation=90, color="grey", fontsize=8)
     markers = "osD^vP*Xh<>p"
     for i, r in enumerate(records):
         if r.flops and r.hbm_bytes:
-            roof.scatter([r.flops / r.hbm_bytes], [r.tflops], s=55, zorder=3, marker=markers[i % len(markers)],
-                         label=f"{i + 1}. {r.name}")
+            roof.scatter(
+                [r.flops / r.hbm_bytes],
+                [r.tflops],
+                s=55,
+                zorder=3,
+                marker=markers[i % len(markers)],
+                label=f"{i + 1}. {r.name}",
+            )
     roof.set_xlabel("arithmetic intensity (FLOP per HBM byte)")
     roof.set_ylabel("TFLOPS (modelled)")
     roof.set_title(f"Roofline, {hw.name} — modelled, not measured")

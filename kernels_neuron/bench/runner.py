@@ -81,20 +81,34 @@ def run_case(case: Case, target: str = "trn2", seed: int = 0, on_device: bool | 
     wall = time.perf_counter() - start
     report = cost.estimate_trace(result.trace, target, flops=case.standard_flops)
     record = Record(
-        name=case.name, kernel=getattr(case.kernel, "__name__", str(case.kernel)), model=case.model,
-        shape=dict(case.shape), dtype=case.dtype, target=report.target, reference=case.reference_name,
-        modelled_us=report.time_us, roofline_us=report.roofline_us, bound=report.bound,
-        pct_of_roofline=report.pct_of_roofline, flops=report.flops, tflops=report.tflops,
-        pct_tensor_peak=report.pct_tensor_peak, hbm_bytes=report.hbm_bytes, hbm_gbps=report.hbm_gbps,
-        pct_hbm_peak=report.pct_hbm_peak, sim_wall_s=wall, instructions=report.instructions,
+        name=case.name,
+        kernel=getattr(case.kernel, "__name__", str(case.kernel)),
+        model=case.model,
+        shape=dict(case.shape),
+        dtype=case.dtype,
+        target=report.target,
+        reference=case.reference_name,
+        modelled_us=report.time_us,
+        roofline_us=report.roofline_us,
+        bound=report.bound,
+        pct_of_roofline=report.pct_of_roofline,
+        flops=report.flops,
+        tflops=report.tflops,
+        pct_tensor_peak=report.pct_tensor_peak,
+        hbm_bytes=report.hbm_bytes,
+        hbm_gbps=report.hbm_gbps,
+        pct_hbm_peak=report.pct_hbm_peak,
+        sim_wall_s=wall,
+        instructions=report.instructions,
     )
     if device_available() if on_device is None else on_device:
         record.measured_us, record.reference_measured_us = _measure(case, inputs)
     return record
 
 
-def run_suite(cases: Iterable[Case], target: str = "trn2", name_filter: str | None = None,
-              progress: bool = True) -> list[Record]:
+def run_suite(
+    cases: Iterable[Case], target: str = "trn2", name_filter: str | None = None, progress: bool = True
+) -> list[Record]:
     """Run every case whose name contains ``name_filter``, with a progress bar."""
     chosen = [c for c in cases if name_filter is None or name_filter.lower() in c.name.lower()]
     if not chosen:

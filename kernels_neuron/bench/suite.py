@@ -39,8 +39,9 @@ DECODE_TOKENS = 128
 RMSNORM_EPS = 1e-6
 
 
-def autograd_backward(forward: Callable[..., Any], grad_out: torch.Tensor,
-                      leaves: tuple[torch.Tensor, ...]) -> Callable[[], tuple[torch.Tensor, ...]]:
+def autograd_backward(
+    forward: Callable[..., Any], grad_out: torch.Tensor, leaves: tuple[torch.Tensor, ...]
+) -> Callable[[], tuple[torch.Tensor, ...]]:
     """The backward a PyTorch user runs: autograd through ``forward(*leaves)`` against ``grad_out``.
 
     The forward runs here, once; the returned call is the backward alone (the graph is retained,
@@ -59,9 +60,15 @@ def _linear(lhs_t, rhs, **tiling):
 
 def projection_case(name: str, kernel, model: str, m: int, k: int, n: int, **kwargs) -> Case:
     return Case(
-        name=name, kernel=kernel, make_inputs=partial(operands, m, k, n),
-        shape={"M": m, "K": k, "N": n}, dtype="bfloat16", model=model,
-        reference_name="torch.nn.functional.linear (nn.Linear)", prepare_reference=_linear, kwargs=kwargs,
+        name=name,
+        kernel=kernel,
+        make_inputs=partial(operands, m, k, n),
+        shape={"M": m, "K": k, "N": n},
+        dtype="bfloat16",
+        model=model,
+        reference_name="torch.nn.functional.linear (nn.Linear)",
+        prepare_reference=_linear,
+        kwargs=kwargs,
     )
 
 
@@ -83,6 +90,7 @@ def _rmsnorm_forward(x, weight, eps, convention, out_dtype):
 def _rmsnorm_backward(dy, x, weight, rstd, convention):
     """Autograd through the module's forward; ``rstd`` is the kernel's saved statistic, which
     autograd keeps in its own graph instead."""
+
     def forward(x, weight):
         return rms_norm_reference(x, weight, RMSNORM_EPS, convention)
 
@@ -92,20 +100,28 @@ def _rmsnorm_backward(dy, x, weight, rstd, convention):
 def rmsnorm_case(name: str, model: str, rows: int, hidden: int, convention: str, backward: bool = False) -> Case:
     module = {"llama": "LlamaRMSNorm", "gemma": "GemmaRMSNorm", "fp32_multiply": "Olmo2RMSNorm"}[convention]
     return Case(
-        name=name, kernel=rmsnorm_bwd if backward else rmsnorm_fwd,
+        name=name,
+        kernel=rmsnorm_bwd if backward else rmsnorm_fwd,
         make_inputs=partial(_rmsnorm_inputs, rows, hidden, backward),
-        shape={"rows": rows, "hidden": hidden}, dtype="bfloat16", model=model,
+        shape={"rows": rows, "hidden": hidden},
+        dtype="bfloat16",
+        model=model,
         reference_name=f"{module} {'backward (autograd)' if backward else 'forward'} (torch)",
         prepare_reference=_rmsnorm_backward if backward else _rmsnorm_forward,
-        kwargs={"convention": convention} if backward else
-        {"eps": RMSNORM_EPS, "convention": convention, "out_dtype": "bfloat16"},
+        kwargs={"convention": convention}
+        if backward
+        else {"eps": RMSNORM_EPS, "convention": convention, "out_dtype": "bfloat16"},
     )
 
 
-def _attention_inputs(sq: int, sk: int, d: int, window: int, softcap: float, backward: bool, segments, seed: int) -> tuple:
+def _attention_inputs(
+    sq: int, sk: int, d: int, window: int, softcap: float, backward: bool, segments, seed: int
+) -> tuple:
     rng = np.random.default_rng(seed)
-    q, k, v = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in ((1, 1, sq, d), (1, 1, sk, d), (1, 1, sk, d)))
-    args = (None, d ** -0.5, True, window, softcap, segments)
+    q, k, v = (
+        rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in ((1, 1, sq, d), (1, 1, sk, d), (1, 1, sk, d))
+    )
+    args = (None, d**-0.5, True, window, softcap, segments)
     if not backward:
         return (q, k, v) + args
     out, lse = sim.run(flash_attn_fwd, q, k, v, *args).outputs
@@ -125,10 +141,22 @@ def _torch_attention(q, k, v, bias, scale, causal, window, softcap, segments):
     sq, sk = q.shape[2], k.shape[2]
     if bias is None and _sdpa_expresses(sq, sk, window, softcap, segments is not None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal) and sq > 1, scale=scale)
-    cu_seqlens = None if segments is None else torch.tensor([0] + [end for _, end in segments], dtype=torch.int32,
-                                                             device=q.device)
-    return attention_reference(q, k, v, attention_mask=bias, scale=scale, causal=causal, window=window or None,
-                               softcap=softcap or None, cu_seqlens=cu_seqlens)
+    cu_seqlens = (
+        None
+        if segments is None
+        else torch.tensor([0] + [end for _, end in segments], dtype=torch.int32, device=q.device)
+    )
+    return attention_reference(
+        q,
+        k,
+        v,
+        attention_mask=bias,
+        scale=scale,
+        causal=causal,
+        window=window or None,
+        softcap=softcap or None,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 def _attention_forward(q, k, v, bias, scale, causal, window, softcap, segments):
@@ -138,14 +166,24 @@ def _attention_forward(q, k, v, bias, scale, causal, window, softcap, segments):
 def _attention_backward(q, k, v, out, dout, lse, bias, scale, causal, window, softcap, segments):
     """Autograd through the forward against ``dout``; ``out`` and ``lse`` are the kernel's saved
     forward results, which autograd keeps in its own graph instead."""
+
     def forward(q, k, v):
         return _torch_attention(q, k, v, bias, scale, causal, window, softcap, segments)
 
     return autograd_backward(forward, dout, (q, k, v))
 
 
-def attention_case(name: str, model: str, sq: int, sk: int, d: int = 128, window: int = 0, softcap: float = 0.0,
-                   backward: bool = False, packed: tuple[int, ...] = ()) -> Case:
+def attention_case(
+    name: str,
+    model: str,
+    sq: int,
+    sk: int,
+    d: int = 128,
+    window: int = 0,
+    softcap: float = 0.0,
+    backward: bool = False,
+    packed: tuple[int, ...] = (),
+) -> Case:
     """One (batch, KV head) group, causal, bf16; FLOPs the standard way: 4*Sq*Sk*d halved for causal
     (only the visible pairs when Sq < Sk), and 2.5x that for the backward. ``packed``: sequence lengths
     packed into the Sq = Sk tokens (the kernel's segments), each attending within itself."""
@@ -159,15 +197,27 @@ def attention_case(name: str, model: str, sq: int, sk: int, d: int = 128, window
     offsets = np.cumsum((0,) + packed).tolist()
     segments = tuple(zip(offsets[:-1], offsets[1:])) if packed else None
     return Case(
-        name=name, kernel=flash_attn_bwd if backward else flash_attn_fwd,
+        name=name,
+        kernel=flash_attn_bwd if backward else flash_attn_fwd,
         make_inputs=partial(_attention_inputs, sq, sk, d, window, softcap, backward, segments),
-        shape={"Sq": sq, "Sk": sk, "d": d, **({"window": window} if window else {}), **({"softcap": softcap} if softcap else {}),
-               **({"packed": "+".join(map(str, packed))} if packed else {})},
-        dtype="bfloat16", model=model,
-        reference_name=("scaled_dot_product_attention" if _sdpa_expresses(sq, sk, window, softcap, bool(packed))
-                        else "eager attention (transformers' eager_attention_forward)")
+        shape={
+            "Sq": sq,
+            "Sk": sk,
+            "d": d,
+            **({"window": window} if window else {}),
+            **({"softcap": softcap} if softcap else {}),
+            **({"packed": "+".join(map(str, packed))} if packed else {}),
+        },
+        dtype="bfloat16",
+        model=model,
+        reference_name=(
+            "scaled_dot_product_attention"
+            if _sdpa_expresses(sq, sk, window, softcap, bool(packed))
+            else "eager attention (transformers' eager_attention_forward)"
+        )
         + (" backward (autograd)" if backward else ""),
-        prepare_reference=_attention_backward if backward else _attention_forward, standard_flops=flops,
+        prepare_reference=_attention_backward if backward else _attention_forward,
+        standard_flops=flops,
     )
 
 
@@ -178,8 +228,11 @@ def _mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int)
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
 
     x = draw(tokens, hidden)
-    weights = (draw(inter, hidden, scale=hidden ** -0.5), draw(inter, hidden, scale=hidden ** -0.5),
-               draw(hidden, inter, scale=inter ** -0.5))
+    weights = (
+        draw(inter, hidden, scale=hidden**-0.5),
+        draw(inter, hidden, scale=hidden**-0.5),
+        draw(hidden, inter, scale=inter**-0.5),
+    )
     if not backward:
         return (x,) + weights
     # The saved gate/up projections are drawn, not computed by a forward run: the modelled time does
@@ -195,22 +248,27 @@ def _mlp_forward(x, w_gate, w_up, w_down, activation, save_gate_up):
 def _mlp_backward(dy, x, w_gate, w_up, w_down, saved, activation):
     """Autograd through the module's forward against ``dy``: (dx, dw_gate, dw_up, dw_down), the
     kernel's order. ``saved`` is the kernel's saved gate/up, which autograd keeps in its own graph."""
+
     def forward(x, w_gate, w_up, w_down):
         return gated_mlp_reference(x, w_gate, w_up, w_down, activation)
 
     return autograd_backward(forward, dy, (x, w_gate, w_up, w_down))
 
 
-def mlp_case(name: str, model: str, tokens: int, hidden: int, inter: int, activation: str = "silu",
-             backward: bool = False) -> Case:
+def mlp_case(
+    name: str, model: str, tokens: int, hidden: int, inter: int, activation: str = "silu", backward: bool = False
+) -> Case:
     """The fused gated MLP, simulated at the full shape (no slicing). FLOPs the standard way: the three
     projections, 2*T*H*I each (6*T*H*I), and twice that for the backward (dx and the three weight
     gradients); the TensorE transposes the kernel needs are not counted."""
     module = {"silu": "LlamaMLP", "gelu_tanh": "GemmaMLP"}[activation]
     return Case(
-        name=name, kernel=mlp_bwd if backward else mlp_fwd,
+        name=name,
+        kernel=mlp_bwd if backward else mlp_fwd,
         make_inputs=partial(_mlp_inputs, tokens, hidden, inter, backward),
-        shape={"tokens": tokens, "hidden": hidden, "intermediate": inter}, dtype="bfloat16", model=model,
+        shape={"tokens": tokens, "hidden": hidden, "intermediate": inter},
+        dtype="bfloat16",
+        model=model,
         reference_name=f"{module} {'backward (autograd)' if backward else 'forward'} (torch)",
         prepare_reference=_mlp_backward if backward else _mlp_forward,
         kwargs={"activation": activation} if backward else {"activation": activation, "save_gate_up": False},
@@ -224,20 +282,30 @@ CASES: list[Case] = [
     mlp_case("mlp-fwd/llama3-8b/decode-1", "Llama-3-8B", 1, 4096, 14336),
     mlp_case("mlp-fwd/llama3-8b/decode-8", "Llama-3-8B", 8, 4096, 14336),
     mlp_case("mlp-fwd/gemma2-9b-geglu/2048-tokens", "Gemma-2-9B", PREFILL_TOKENS, 3584, 14336, activation="gelu_tanh"),
-    mlp_case("mlp-bwd/gemma2-9b-geglu/2048-tokens", "Gemma-2-9B", PREFILL_TOKENS, 3584, 14336, activation="gelu_tanh",
-             backward=True),
+    mlp_case(
+        "mlp-bwd/gemma2-9b-geglu/2048-tokens",
+        "Gemma-2-9B",
+        PREFILL_TOKENS,
+        3584,
+        14336,
+        activation="gelu_tanh",
+        backward=True,
+    ),
     attention_case("attention-fwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096),
     attention_case("attention-fwd/llama3-8b/causal-8192", "Llama-3-8B", 8192, 8192),
     attention_case("attention-bwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096, backward=True),
     attention_case("attention-bwd/llama3-8b/causal-8192", "Llama-3-8B", 8192, 8192, backward=True),
     attention_case("attention-fwd/mistral-7b/window-4096-of-8192", "Mistral-7B", 8192, 8192, window=4096),
-    attention_case("attention-fwd/gemma2-9b/softcap-d256-4096", "Gemma-2-9B", 4096, 4096, d=256, window=4096, softcap=50.0),
+    attention_case(
+        "attention-fwd/gemma2-9b/softcap-d256-4096", "Gemma-2-9B", 4096, 4096, d=256, window=4096, softcap=50.0
+    ),
     attention_case("attention-fwd/qwen3-8b/decode-1-of-4096", "Qwen3-8B", 1, 4096),
     # Packed training batches (TRL's padding-free packing): one launch over the sequences, against one of
     # them alone (the packed case should cost about 4x it).
     attention_case("attention-fwd/qwen3-8b/packed-4x256", "Qwen3-8B", 1024, 1024, packed=(256, 256, 256, 256)),
-    attention_case("attention-bwd/qwen3-8b/packed-4x256", "Qwen3-8B", 1024, 1024, packed=(256, 256, 256, 256),
-                   backward=True),
+    attention_case(
+        "attention-bwd/qwen3-8b/packed-4x256", "Qwen3-8B", 1024, 1024, packed=(256, 256, 256, 256), backward=True
+    ),
     attention_case("attention-fwd/qwen3-8b/causal-256", "Qwen3-8B", 256, 256),
     attention_case("attention-bwd/qwen3-8b/causal-256", "Qwen3-8B", 256, 256, backward=True),
     rmsnorm_case("rmsnorm-fwd/llama3-8b/4096-tokens", "Llama-3-8B", 4096, 4096, "llama"),
@@ -246,10 +314,21 @@ CASES: list[Case] = [
     rmsnorm_case("rmsnorm-bwd/gemma2-9b/4096-tokens", "Gemma-2-9B", 4096, 3584, "gemma", backward=True),
     rmsnorm_case("rmsnorm-fwd/qwen3-8b-q_norm/2048-tokens", "Qwen3-8B", 2048 * 32, 128, "llama"),
     rmsnorm_case("rmsnorm-fwd/mistral-7b/decode-8", "Mistral-7B", 8, 4096, "llama"),
-    projection_case("matmul-optimised/llama3-8b-q_proj/prefill", fully_optimized, "Llama-3-8B", PREFILL_TOKENS, 4096, 4096),
-    projection_case("matmul-optimised/mistral-7b-kv_proj/prefill", fully_optimized, "Mistral-7B", PREFILL_TOKENS, 4096, 1024),
-    projection_case("matmul-optimised/gemma2-9b-q_proj/prefill", fully_optimized, "Gemma-2-9B", PREFILL_TOKENS, 3584, 4096,
-                    tiles_k=7),
+    projection_case(
+        "matmul-optimised/llama3-8b-q_proj/prefill", fully_optimized, "Llama-3-8B", PREFILL_TOKENS, 4096, 4096
+    ),
+    projection_case(
+        "matmul-optimised/mistral-7b-kv_proj/prefill", fully_optimized, "Mistral-7B", PREFILL_TOKENS, 4096, 1024
+    ),
+    projection_case(
+        "matmul-optimised/gemma2-9b-q_proj/prefill",
+        fully_optimized,
+        "Gemma-2-9B",
+        PREFILL_TOKENS,
+        3584,
+        4096,
+        tiles_k=7,
+    ),
     projection_case("matmul-blocked/qwen3-8b-o_proj/prefill", blocked_free, "Qwen3-8B", PREFILL_TOKENS, 4096, 4096),
     projection_case("matmul-basic/qwen3-8b-o_proj/prefill", basic_tiled, "Qwen3-8B", PREFILL_TOKENS, 4096, 4096),
     projection_case("matmul-tiled/llama3-8b-q_proj/decode128", tiled_matmul, "Llama-3-8B", DECODE_TOKENS, 4096, 4096),

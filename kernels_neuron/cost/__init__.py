@@ -31,8 +31,9 @@ from .timing import matmul_slowdown
 __all__ = ["estimate", "estimate_trace", "CostReport", "CriticalStep", "Hardware", "HARDWARE", "hardware"]
 
 
-def estimate(kernel: Callable[..., Any], *args: Any, target: str = "trn2", grid: Any = None,
-             **kwargs: Any) -> CostReport:
+def estimate(
+    kernel: Callable[..., Any], *args: Any, target: str = "trn2", grid: Any = None, **kwargs: Any
+) -> CostReport:
     """Simulate ``kernel(*args, **kwargs)`` and model its run time on ``target`` (trn1/trn2/trn3)."""
     result = _simulate(kernel, *args, target=target, grid=grid, **kwargs)
     return estimate_trace(result.trace, target)
@@ -56,8 +57,11 @@ def estimate_trace(trace: Trace, target: str | None = None, flops: int | None = 
     time_ns = schedules[slowest].makespan_ns
     flops = trace.flops if flops is None else flops
     compute_ns = max(_compute_bound_ns(insts, hw) for insts in programs.values())
-    memory_ns = max(sum(i.hbm_bytes_read + i.hbm_bytes_written for i in insts) for insts in programs.values()) \
-        / hw.hbm_bytes_per_s * 1e9
+    memory_ns = (
+        max(sum(i.hbm_bytes_read + i.hbm_bytes_written for i in insts) for insts in programs.values())
+        / hw.hbm_bytes_per_s
+        * 1e9
+    )
     busy: dict[str, float] = defaultdict(float)
     for s in schedules.values():
         for engine, ns in s.engine_busy_ns.items():
@@ -67,13 +71,22 @@ def estimate_trace(trace: Trace, target: str | None = None, flops: int | None = 
     hbm = trace.hbm_bytes
     hbm_gbps = hbm / seconds / 1e9 if seconds else 0.0
     return CostReport(
-        target=hw.name, time_us=time_ns / 1e3, roofline_us=max(compute_ns, memory_ns) / 1e3,
+        target=hw.name,
+        time_us=time_ns / 1e3,
+        roofline_us=max(compute_ns, memory_ns) / 1e3,
         critical_path=_critical_steps(schedules[slowest], programs[slowest]),
-        engine_busy_us=dict(sorted(busy.items())), flops=flops, tflops=tflops,
+        engine_busy_us=dict(sorted(busy.items())),
+        flops=flops,
+        tflops=tflops,
         pct_tensor_peak=100.0 * tflops * 1e12 / (hw.tensor_peak_flops * cores),
-        hbm_bytes=hbm, hbm_gbps=hbm_gbps, pct_hbm_peak=100.0 * hbm_gbps * 1e9 / (hw.hbm_bytes_per_s * cores),
-        sbuf_peak_bytes=trace.sbuf_peak_bytes, psum_peak_bytes=trace.psum_peak_bytes,
-        instructions=len(trace.instructions), compute_bound_us=compute_ns / 1e3, memory_bound_us=memory_ns / 1e3,
+        hbm_bytes=hbm,
+        hbm_gbps=hbm_gbps,
+        pct_hbm_peak=100.0 * hbm_gbps * 1e9 / (hw.hbm_bytes_per_s * cores),
+        sbuf_peak_bytes=trace.sbuf_peak_bytes,
+        psum_peak_bytes=trace.psum_peak_bytes,
+        instructions=len(trace.instructions),
+        compute_bound_us=compute_ns / 1e3,
+        memory_bound_us=memory_ns / 1e3,
         cores=cores,
     )
 
@@ -88,5 +101,13 @@ def _compute_bound_ns(instructions: list[Instruction], hw: Hardware) -> float:
 
 
 def _critical_steps(sched: Schedule, instructions: list[Instruction]) -> list[CriticalStep]:
-    return [CriticalStep(instructions[i].index, instructions[i].engine, instructions[i].op,
-                         sched.slots[i].start / 1e3, sched.slots[i].end / 1e3) for i in sched.critical_path()]
+    return [
+        CriticalStep(
+            instructions[i].index,
+            instructions[i].engine,
+            instructions[i].op,
+            sched.slots[i].start / 1e3,
+            sched.slots[i].end / 1e3,
+        )
+        for i in sched.critical_path()
+    ]

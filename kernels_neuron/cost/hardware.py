@@ -63,19 +63,31 @@ _TRN2_DMA_TRANSPOSE = 128 * 512 * 2 / _TILE_SECONDS
 
 
 TRN1 = Hardware(
-    name="trn1", tensor_ghz=2.8, vector_ghz=1.12, scalar_ghz=1.4, gpsimd_ghz=1.4,
+    name="trn1",
+    tensor_ghz=2.8,
+    vector_ghz=1.12,
+    scalar_ghz=1.4,
+    gpsimd_ghz=1.4,
     hbm_bytes_per_s=820 * GB / 2,  # 820 GB/s per chip, 2 NeuronCores
     dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE,  # assumed: NC-v2 and NC-v3 DMA engines are equally fast
     vector_fast_modes=False,
 )
 TRN2 = Hardware(
-    name="trn2", tensor_ghz=2.4, vector_ghz=0.96, scalar_ghz=1.2, gpsimd_ghz=1.2,
+    name="trn2",
+    tensor_ghz=2.4,
+    vector_ghz=0.96,
+    scalar_ghz=1.2,
+    gpsimd_ghz=1.2,
     hbm_bytes_per_s=2900 * GB / 8,  # 2.9 TB/s per chip, 8 NeuronCores
     dma_transpose_bytes_per_s=_TRN2_DMA_TRANSPOSE,
     vector_fast_modes=True,
 )
 TRN3 = Hardware(
-    name="trn3", tensor_ghz=2.4, vector_ghz=1.2, scalar_ghz=1.2, gpsimd_ghz=1.2,
+    name="trn3",
+    tensor_ghz=2.4,
+    vector_ghz=1.2,
+    scalar_ghz=1.2,
+    gpsimd_ghz=1.2,
     hbm_bytes_per_s=4900 * GB / 8,  # 4.9 TB/s per chip, 8 NeuronCores
     # assumed: scaled by per-engine DMA speed (AWS's NKI DMA overview: 27.2 GB/s per engine on
     # NeuronCore-v2/v3, 38.4 GB/s on v4)

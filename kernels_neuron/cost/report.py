@@ -83,11 +83,19 @@ class CostReport:
         table.add_column(label, justify="right")
         rows = [
             ("time", f"{self.time_us:,.2f} µs"),
-            ("roofline bound", f"{self.roofline_us:,.2f} µs ({self.bound}-bound; {self.pct_of_roofline:.0f}% of roofline)"),
+            (
+                "roofline bound",
+                f"{self.roofline_us:,.2f} µs ({self.bound}-bound; {self.pct_of_roofline:.0f}% of roofline)",
+            ),
             ("TensorE", f"{self.flops:,} FLOP · {self.tflops:.2f} TFLOPS · {self.pct_tensor_peak:.1f}% of peak"),
             ("HBM", f"{self.hbm_bytes:,} B · {self.hbm_gbps:.1f} GB/s · {self.pct_hbm_peak:.1f}% of bandwidth"),
-            ("engine busy", ", ".join(f"{e} {t:,.2f} µs ({u:.0f}%)" for (e, t), u in
-                                     zip(self.engine_busy_us.items(), self.engine_utilisation().values()))),
+            (
+                "engine busy",
+                ", ".join(
+                    f"{e} {t:,.2f} µs ({u:.0f}%)"
+                    for (e, t), u in zip(self.engine_busy_us.items(), self.engine_utilisation().values())
+                ),
+            ),
             ("critical path", f"{len(self.critical_path)} instructions: {self.critical_path_summary()}"),
             ("peak SBUF / PSUM", f"{self.sbuf_peak_bytes:,} / {self.psum_peak_bytes:,} B per partition"),
             ("instructions", f"{self.instructions:,}" + (f" on {self.cores} NeuronCores" if self.cores > 1 else "")),

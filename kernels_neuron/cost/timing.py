@@ -24,8 +24,7 @@ from .hardware import Hardware
 
 
 def _clock_ghz(engine: str, hw: Hardware) -> float:
-    return {"tensor": hw.tensor_ghz, "vector": hw.vector_ghz, "scalar": hw.scalar_ghz,
-            "gpsimd": hw.gpsimd_ghz}[engine]
+    return {"tensor": hw.tensor_ghz, "vector": hw.vector_ghz, "scalar": hw.scalar_ghz, "gpsimd": hw.gpsimd_ghz}[engine]
 
 
 # Per-partition scalars ([P, 1] operands, bias, scale) ride along with an instruction; only the

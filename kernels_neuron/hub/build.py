@@ -42,20 +42,37 @@ def _text(path: Path) -> bytes:
 
 def digest(files: dict[str, bytes]) -> dict[str, str]:
     """sha256 of each file, base64, as the kernels library's ``metadata.json`` digest expects."""
-    return {name: base64.b64encode(hashlib.sha256(content).digest()).decode() for name, content in sorted(files.items())}
+    return {
+        name: base64.b64encode(hashlib.sha256(content).digest()).decode() for name, content in sorted(files.items())
+    }
 
 
 def _variant_init(repo: Repo, registry: Registry, simulated: bool) -> bytes:
-    lines = [f'"""{repo.name} ({"torch-cpu: NKI kernels on the kernels-neuron simulator" if simulated else "torch-neuron: real NKI"}).', "",
-             GENERATED, '"""', "", "from pathlib import Path", "", "from ._verify import verify_variant", "",
-             "# Before anything else of the package runs: its files against the digest in its metadata.json.",
-             "verify_variant(Path(__file__).parent)", ""]
+    lines = [
+        f'"""{repo.name} ({"torch-cpu: NKI kernels on the kernels-neuron simulator" if simulated else "torch-neuron: real NKI"}).',
+        "",
+        GENERATED,
+        '"""',
+        "",
+        "from pathlib import Path",
+        "",
+        "from ._verify import verify_variant",
+        "",
+        "# Before anything else of the package runs: its files against the digest in its metadata.json.",
+        "verify_variant(Path(__file__).parent)",
+        "",
+    ]
     if simulated:
-        lines += ["from kernels import get_kernel_dep  # noqa: E402", "",
-                  "# `import nki` must resolve before the kernel modules load: the simulator, from its own repo",
-                  "# (verified too).",
-                  f'_simulator = get_kernel_dep("{registry.repo_id("nki-sim")}")',
-                  "verify_variant(Path(_simulator.__file__).parent)", "_simulator.install()", ""]
+        lines += [
+            "from kernels import get_kernel_dep  # noqa: E402",
+            "",
+            "# `import nki` must resolve before the kernel modules load: the simulator, from its own repo",
+            "# (verified too).",
+            f'_simulator = get_kernel_dep("{registry.repo_id("nki-sim")}")',
+            "verify_variant(Path(_simulator.__file__).parent)",
+            "_simulator.install()",
+            "",
+        ]
     # An export is "name" (from the first public ops module) or "module:name" (from that ops module).
     default = next(op for op in repo.ops if not op.startswith("_"))
     by_module: dict[str, list[str]] = {}
@@ -137,8 +154,12 @@ def repo_files(root: Path) -> list[Path]:
 
 def _on_disk(out: Path, registry: Registry) -> Tree:
     """The files of the registry's repo folders under ``out`` (the part of ``build/`` the builder owns)."""
-    return {p.relative_to(out).as_posix(): p.read_bytes()
-            for name in registry.repos for p in repo_files(out / name) if (out / name).is_dir()}
+    return {
+        p.relative_to(out).as_posix(): p.read_bytes()
+        for name in registry.repos
+        for p in repo_files(out / name)
+        if (out / name).is_dir()
+    }
 
 
 def stale(out: Path = BUILD_DIR, registry: Registry | None = None) -> list[str]:
@@ -156,8 +177,10 @@ class UnknownFilesError(RuntimeError):
     removes them)."""
 
     def __init__(self, paths: list[str]) -> None:
-        super().__init__(f"build/ holds {len(paths)} file(s) the build does not produce: {', '.join(paths)}; "
-                         "they would be published with the repo. Move them out, or pass --prune to delete them")
+        super().__init__(
+            f"build/ holds {len(paths)} file(s) the build does not produce: {', '.join(paths)}; "
+            "they would be published with the repo. Move them out, or pass --prune to delete them"
+        )
         self.paths = paths
 
 

@@ -46,13 +46,16 @@ def content_hash(root: Path) -> str:
     return content.hexdigest()
 
 
-def install(cache: Path | str | None = None, registry: Registry | None = None,
-            build_dir: Path = BUILD_DIR) -> dict[str, Path]:
+def install(
+    cache: Path | str | None = None, registry: Registry | None = None, build_dir: Path = BUILD_DIR
+) -> dict[str, Path]:
     """Copy every built repo into the HF cache; return ``{repo_id: snapshot path}``."""
     registry = registry or registry_module.load()
     problems = stale(build_dir, registry)
     if problems:
-        raise RuntimeError(f"build/ is stale ({len(problems)} files differ, e.g. {problems[0]}); run `kernels-neuron build` first")
+        raise RuntimeError(
+            f"build/ is stale ({len(problems)} files differ, e.g. {problems[0]}); run `kernels-neuron build` first"
+        )
     cache = Path(cache) if cache is not None else default_cache()
     installed = {}
     for repo in registry.repos.values():

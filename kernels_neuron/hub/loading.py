@@ -23,9 +23,12 @@ _checked: dict[object, tuple] = {}  # what was checked -> the fingerprint it was
 
 
 def _fingerprint(roots: list[Path]) -> tuple:
-    return tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size)
-                 for root in roots for p in sorted(root.rglob("*") if root.is_dir() else [root])
-                 if p.is_file() and "__pycache__" not in p.parts)
+    return tuple(
+        (str(p), p.stat().st_mtime_ns, p.stat().st_size)
+        for root in roots
+        for p in sorted(root.rglob("*") if root.is_dir() else [root])
+        if p.is_file() and "__pycache__" not in p.parts
+    )
 
 
 def _once(key: object, roots: list[Path], check) -> None:
@@ -69,6 +72,8 @@ def _warn_if_stale() -> None:
 
     problems = stale()
     if problems:
-        warnings.warn(f"kernels-neuron: build/ is stale ({len(problems)} files differ from the sources, e.g. "
-                      f"{problems[0]}): the kernels that load are not the sources' - run `kernels-neuron build`",
-                      stacklevel=4)
+        warnings.warn(
+            f"kernels-neuron: build/ is stale ({len(problems)} files differ from the sources, e.g. "
+            f"{problems[0]}): the kernels that load are not the sources' - run `kernels-neuron build`",
+            stacklevel=4,
+        )

@@ -37,8 +37,9 @@ def verify_variant(variant: Path | str) -> None:
         metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, variant))
     except DigestValidationError as exc:
         differences = "; ".join(str(v) for v in exc.violations)
-        raise KernelIntegrityError(f"kernel variant {variant} does not match the digest in its metadata.json: "
-                                   f"{differences}; {advice}") from None
+        raise KernelIntegrityError(
+            f"kernel variant {variant} does not match the digest in its metadata.json: {differences}; {advice}"
+        ) from None
 
 
 def verify_repo(repo: Path | str) -> None:

@@ -29,5 +29,12 @@ from .modes import resolve_mode
 from .report import KernelizeReport, ReportRow
 from .repos import layer_limits
 
-__all__ = ["KernelizeReport", "ReportRow", "kernelize", "layer_limits", "register_attention", "register_mapping",
-           "resolve_mode"]
+__all__ = [
+    "KernelizeReport",
+    "ReportRow",
+    "kernelize",
+    "layer_limits",
+    "register_attention",
+    "register_mapping",
+    "resolve_mode",
+]

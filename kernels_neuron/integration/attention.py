@@ -44,8 +44,11 @@ def _bool_mask_as_additive(mask: Any, dtype: Any) -> Any:
 
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
-                       torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device))
+    return torch.where(
+        mask,
+        torch.zeros((), dtype=dtype, device=mask.device),
+        torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device),
+    )
 
 
 def _own_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
@@ -67,15 +70,26 @@ def _own_attention(module: nn.Module, query, key, value, attention_mask, **kwarg
 
 
 def _attention_dispatcher(kernel: Any):
-    def kernels_neuron_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                                 is_causal=None, **kwargs):
+    def kernels_neuron_attention(
+        module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+    ):
         reasons = kernel.unsupported_reasons(module, module.training, query, key, value, dropout, kwargs.get("s_aux"))
         if reasons:
             record_fallback(module, "; ".join(reasons))
-            return _own_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
-        return kernel.flash_attn_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                         scaling=scaling, is_causal=is_causal, **kwargs)
+            return _own_attention(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=dropout,
+                scaling=scaling,
+                is_causal=is_causal,
+                **kwargs,
+            )
+        return kernel.flash_attn_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
 
     return kernels_neuron_attention
 
@@ -116,8 +130,12 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = []
     for path, module in model.named_modules():
         modeling = sys.modules.get(type(module).__module__)
-        if (type(module).__name__.endswith("Attention") and hasattr(module, "config")
-                and modeling is not None and hasattr(modeling, "ALL_ATTENTION_FUNCTIONS")):
+        if (
+            type(module).__name__.endswith("Attention")
+            and hasattr(module, "config")
+            and modeling is not None
+            and hasattr(modeling, "ALL_ATTENTION_FUNCTIONS")
+        ):
             found.append((path or "<model>", module))
     return found
 
@@ -134,8 +152,16 @@ def kernelize_attention(model: nn.Module, reg: Registry, requested: Mode) -> lis
         out = []
         for path, module in modules:
             reasons = [reason] if reason else kernel.unsupported_reasons(module, training=training)
-            out.append(ReportRow(path, ATTENTION_LAYER, kernel_label, "fallback" if reasons else "swapped",
-                                 "; ".join(reasons), weakref.ref(module)))
+            out.append(
+                ReportRow(
+                    path,
+                    ATTENTION_LAYER,
+                    kernel_label,
+                    "fallback" if reasons else "swapped",
+                    "; ".join(reasons),
+                    weakref.ref(module),
+                )
+            )
         return out
 
     wanted = [name for name, flag in MODE_NAMES.items() if flag in requested]

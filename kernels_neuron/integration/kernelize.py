@@ -34,13 +34,16 @@ def _device_key(device: Any) -> str:
     key = device.type if type(device).__name__ == "device" else device
     key = key.split(":", 1)[0] if isinstance(key, str) else key
     if key not in DEVICES:
-        raise ValueError(f"kernelize: device {device!r} is not one kernels-neuron serves; use 'neuron' (Trainium, "
-                         "or its kernels on the CPU simulator where there is none) or 'cpu' (the simulator)")
+        raise ValueError(
+            f"kernelize: device {device!r} is not one kernels-neuron serves; use 'neuron' (Trainium, "
+            "or its kernels on the CPU simulator where there is none) or 'cpu' (the simulator)"
+        )
     return key
 
 
-def _chosen_kernels(reg: Registry, only: Iterable[str] | None, exclude: Iterable[str] | None, attention: bool,
-                    mlp: bool) -> set[str]:
+def _chosen_kernels(
+    reg: Registry, only: Iterable[str] | None, exclude: Iterable[str] | None, attention: bool, mlp: bool
+) -> set[str]:
     """The kernel repos kernelize may use: ``only`` (default all), minus ``exclude`` and what the
     ``attention=False`` / ``mlp=False`` keywords leave out."""
     kernel_repos = [name for name, repo in reg.repos.items() if repo.kind == "kernel"]
@@ -76,8 +79,16 @@ def _quiet_kernels_logging():
         root.setLevel(level)
 
 
-def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, *, only: Iterable[str] | None = None,
-              exclude: Iterable[str] | None = None, attention: bool = True, mlp: bool = True) -> nn.Module:
+def kernelize(
+    model: nn.Module,
+    device: str = "neuron",
+    mode: Any = None,
+    *,
+    only: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+    attention: bool = True,
+    mlp: bool = True,
+) -> nn.Module:
     """Swap kernels-neuron's NKI layers into ``model`` and attach ``model.kernels_neuron_report``.
 
     Args:
@@ -140,9 +151,16 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, *, onl
         reasons = violations(layer, module, reg)
         if not supports(layer, requested) and not reasons:
             reasons = [f"mode {mode_name(requested)} is not among the layer's modes {list(layer.modes)}"]
-        report.rows.append(ReportRow(path, layer.name, kernel, "fallback",
-                                     "; ".join(reasons) or "the kernels library kept the original forward",
-                                     weakref.ref(module)))
+        report.rows.append(
+            ReportRow(
+                path,
+                layer.name,
+                kernel,
+                "fallback",
+                "; ".join(reasons) or "the kernels library kept the original forward",
+                weakref.ref(module),
+            )
+        )
     route_attention = any(entry.repo in chosen for entry in reg.attention)
     if route_attention:
         report.rows += kernelize_attention(model, reg, requested)
@@ -150,8 +168,11 @@ def kernelize(model: nn.Module, device: str = "neuron", mode: Any = None, *, onl
         restore_own_attention(model, reg)
     report.rows += without_kernel(model, considered, route_attention)
     if report.fallbacks:
-        warnings.warn(f"kernels-neuron: kernelize kept {len(report.fallbacks)} module(s) on their own forward, e.g. "
-                      f"{report.fallbacks[0].path}: {report.fallbacks[0].reason} (model.kernels_neuron_report lists "
-                      "them all)", stacklevel=2)
+        warnings.warn(
+            f"kernels-neuron: kernelize kept {len(report.fallbacks)} module(s) on their own forward, e.g. "
+            f"{report.fallbacks[0].path}: {report.fallbacks[0].reason} (model.kernels_neuron_report lists "
+            "them all)",
+            stacklevel=2,
+        )
     setattr(model, REPORT_ATTRIBUTE, report)
     return model

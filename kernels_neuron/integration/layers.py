@@ -38,8 +38,10 @@ def violations(layer: Layer, module: nn.Module, reg: Registry) -> list[str]:
     replaced = vars(module).get("forward")
     if replaced is not None and not swapped_to(module, layer):
         name = getattr(replaced, "__qualname__", type(replaced).__name__)
-        return [f"{type(module).__name__}'s forward was replaced by {name} (e.g. a tensor-parallel plan or an "
-                "accelerate hook), which swapping it would drop"]
+        return [
+            f"{type(module).__name__}'s forward was replaced by {name} (e.g. a tensor-parallel plan or an "
+            "accelerate hook), which swapping it would drop"
+        ]
     return layers_module(reg, layer).unsupported_reasons(layer.kernel_layer, module)
 
 
@@ -56,8 +58,9 @@ def register_mapping(devices: tuple[str, ...] = ("neuron", "cpu"), reg: Registry
     check_before_loading(reg)
     mapping = {}
     for layer in reg.layers:
-        repository = LayerRepository(reg.repo_id(layer.repo), layer_name=layer.kernel_layer,
-                                     **pinned_version(reg, layer.repo))
+        repository = LayerRepository(
+            reg.repo_id(layer.repo), layer_name=layer.kernel_layer, **pinned_version(reg, layer.repo)
+        )
         modes = {mode: repository for mode in registered_modes(layer)}
         mapping[layer.name] = {device: modes for device in devices}
     kernels.register_kernel_mapping(mapping, inherit_mapping=True)
@@ -68,8 +71,11 @@ def _discovered_layer(cls: type, reg: Registry) -> Layer | None:
     """A layer with ``discover`` whose computation ``cls`` has (its name ends with the suffix and the
     layer plug-in's ``computes`` says its forward is the layer's): e.g. any other SwiGLU/GeGLU MLP class."""
     for layer in reg.layers:
-        if layer.discover and cls.__name__.endswith(layer.discover) and layers_module(reg, layer).computes(
-                layer.kernel_layer, cls):
+        if (
+            layer.discover
+            and cls.__name__.endswith(layer.discover)
+            and layers_module(reg, layer).computes(layer.kernel_layer, cls)
+        ):
             return layer
     return None
 
@@ -145,8 +151,9 @@ def _hook_transformers_classes(reg: Registry) -> None:
 
 def hook(cls: type, layer: Layer, reg: Registry) -> None:
     """Hook ``cls`` with the kernels library under ``layer``'s name, its modules checked one by one."""
-    kernels.replace_kernel_forward_from_hub(cls, layer.name,
-                                            condition=lambda module: not violations(layer, module, reg))
+    kernels.replace_kernel_forward_from_hub(
+        cls, layer.name, condition=lambda module: not violations(layer, module, reg)
+    )
 
 
 def swapped_to(module: nn.Module, layer: Layer) -> bool:
@@ -154,8 +161,12 @@ def swapped_to(module: nn.Module, layer: Layer) -> bool:
     start with the builder's id ``_<repo>_<backend>_<hash>``), not its own or another kernel's."""
     function = getattr(module.forward, "__func__", None)
     package = f"_{layer.repo.replace('-', '_')}_"
-    return (isinstance(function, types.FunctionType) and function is not type(module).forward
-            and function.__qualname__ == f"{layer.kernel_layer}.forward" and function.__module__.startswith(package))
+    return (
+        isinstance(function, types.FunctionType)
+        and function is not type(module).forward
+        and function.__qualname__ == f"{layer.kernel_layer}.forward"
+        and function.__module__.startswith(package)
+    )
 
 
 @contextlib.contextmanager

@@ -26,8 +26,10 @@ def resolve_mode(model: nn.Module, mode: Any) -> Mode:
                 raise ValueError(f"kernelize: unknown mode {part!r}; use {sorted(MODE_NAMES)} joined by '+'")
             keys.append(key)
         if ("inference" in keys) == ("training" in keys):
-            raise ValueError(f"kernelize: mode {mode!r} must name exactly one of 'inference' and 'training' "
-                             "(optionally with '+torch.compile')")
+            raise ValueError(
+                f"kernelize: mode {mode!r} must name exactly one of 'inference' and 'training' "
+                "(optionally with '+torch.compile')"
+            )
         resolved = MODE_NAMES[keys[0]]
         for key in keys[1:]:
             resolved |= MODE_NAMES[key]
@@ -36,7 +38,7 @@ def resolve_mode(model: nn.Module, mode: Any) -> Mode:
 
 
 def mode_name(mode: Mode) -> str:
-    """"inference", "training+torch.compile" ...: a Mode as kernelize spells it."""
+    """ "inference", "training+torch.compile" ...: a Mode as kernelize spells it."""
     return "+".join(name for name, flag in MODE_NAMES.items() if flag in mode)
 
 
@@ -49,7 +51,12 @@ def registered_modes(layer: Layer) -> list[Mode]:
 
 # The registered modes that serve a requested mode, as the kernels library looks them up.
 _SERVED_BY = {
-    Mode.INFERENCE: (Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING, Mode.TRAINING | Mode.TORCH_COMPILE),
+    Mode.INFERENCE: (
+        Mode.INFERENCE,
+        Mode.INFERENCE | Mode.TORCH_COMPILE,
+        Mode.TRAINING,
+        Mode.TRAINING | Mode.TORCH_COMPILE,
+    ),
     Mode.TRAINING: (Mode.TRAINING, Mode.TRAINING | Mode.TORCH_COMPILE),
     Mode.INFERENCE | Mode.TORCH_COMPILE: (Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE),
     Mode.TRAINING | Mode.TORCH_COMPILE: (Mode.TRAINING | Mode.TORCH_COMPILE,),

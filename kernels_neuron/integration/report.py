@@ -64,16 +64,21 @@ class KernelizeReport:
 
     def table(self) -> Table:
         since = len(self.call_time_fallbacks)
-        table = Table(title=f"kernels-neuron kernelize report (device={self.device}, mode={self.mode}): "
-                            f"{len(self.swapped)} swapped, {len(self.fallbacks)} kept their own forward"
-                            + (f", {len(self.no_kernel)} with no kernel" if self.no_kernel else "")
-                            + (f", {since} fell back at call time" if since else "")
-                            + ("" if self.rows else "; no module of a kind the hub has kernels for"))
+        table = Table(
+            title=f"kernels-neuron kernelize report (device={self.device}, mode={self.mode}): "
+            f"{len(self.swapped)} swapped, {len(self.fallbacks)} kept their own forward"
+            + (f", {len(self.no_kernel)} with no kernel" if self.no_kernel else "")
+            + (f", {since} fell back at call time" if since else "")
+            + ("" if self.rows else "; no module of a kind the hub has kernels for")
+        )
         for column in ("module", "layer", "kernel", "status"):
             table.add_column(column, overflow="fold")
         for row in self.rows:
-            status = {"swapped": "[green]swapped[/]", "fallback": f"[yellow]fallback[/]: {row.reason}",
-                      "no kernel": f"[dim]no kernel[/]: {row.reason}"}[row.status]
+            status = {
+                "swapped": "[green]swapped[/]",
+                "fallback": f"[yellow]fallback[/]: {row.reason}",
+                "no kernel": f"[dim]no kernel[/]: {row.reason}",
+            }[row.status]
             if row.call_time_fallback is not None:
                 status += f"; [yellow]fell back at call time[/]: {row.call_time_fallback}"
             table.add_row(row.path, row.layer, row.kernel, status)

@@ -33,6 +33,7 @@ def without_kernel(model: nn.Module, candidates: set[int], attention: bool) -> l
         if kind is None and attention and name.endswith("Attention"):
             kind = ("attention", "not routed: its model does not call transformers' AttentionInterface for it")
         if kind is not None:
-            rows.append(ReportRow(path or "<model>", kind[0], "-", "no kernel", f"{name}: {kind[1]}",
-                                  weakref.ref(module)))
+            rows.append(
+                ReportRow(path or "<model>", kind[0], "-", "no kernel", f"{name}: {kind[1]}", weakref.ref(module))
+            )
     return rows

@@ -37,6 +37,7 @@ _NS = op_namespace(__name__)
 
 # --- validation -----------------------------------------------------------------------------------------
 
+
 def _autocast(q, k, v) -> tuple:
     """Under ``torch.autocast``, q, k and v in the autocast dtype, as sdpa takes them there (q/k
     promoted to fp32 by rotary beside a bf16 v is normal then); otherwise unchanged."""
@@ -55,8 +56,10 @@ def _check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layou
         raise ValueError(f"{op}: q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
     dims = len(layout.split(","))
     if q.dim() != dims or k.dim() != dims or v.dim() != dims:
-        raise ValueError(f"{op}: q, k, v must be {dims}-D [{layout}], got shapes {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"{op}: q, k, v must be {dims}-D [{layout}], got shapes {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.numel() == 0 or k.numel() == 0:
         raise ValueError(f"{op}: empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if k.shape != v.shape:
@@ -83,8 +86,9 @@ def _check_options(op: str, scale, window, softcap, dropout) -> None:
         raise ValueError(f"{op}: softcap must be None or a non-negative number, got {softcap!r}")
 
 
-def mask_to_bias(op: str, mask: torch.Tensor | None, shape: tuple[int, int, int, int],
-                 device: torch.device) -> torch.Tensor | None:
+def mask_to_bias(
+    op: str, mask: torch.Tensor | None, shape: tuple[int, int, int, int], device: torch.device
+) -> torch.Tensor | None:
     """An attention mask (bool keep-mask, or additive float) broadcastable to ``[B, H, Sq, Sk]`` as the
     kernel's additive fp32 bias ``[B or 1, H or 1, Sq, Sk]`` (-inf where a bool mask is False)."""
     if mask is None:
@@ -93,16 +97,19 @@ def mask_to_bias(op: str, mask: torch.Tensor | None, shape: tuple[int, int, int,
         raise TypeError(f"{op}: attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
     target = "[" + ", ".join(map(str, shape)) + "]"
     if mask.dim() > 4 or any(m not in (1, t) for m, t in zip(mask.shape[::-1], shape[::-1])):
-        raise ValueError(f"{op}: attention_mask of shape {tuple(mask.shape)} does not broadcast to "
-                         f"[B, H, Sq, Sk] = {target}")
+        raise ValueError(
+            f"{op}: attention_mask of shape {tuple(mask.shape)} does not broadcast to [B, H, Sq, Sk] = {target}"
+        )
     if mask.device != device:
         raise ValueError(f"{op}: attention_mask is on {mask.device} but q is on {device}")
     if mask.dtype == torch.bool:
         bias = torch.full(mask.shape, float("-inf"), dtype=torch.float32, device=device).masked_fill(mask, 0.0)
     elif mask.dtype.is_floating_point:
         if mask.requires_grad:
-            raise ValueError(f"{op}: a float attention_mask that requires grad is not supported "
-                             "(the kernel gives no gradient for the bias)")
+            raise ValueError(
+                f"{op}: a float attention_mask that requires grad is not supported "
+                "(the kernel gives no gradient for the bias)"
+            )
         bias = mask.to(torch.float32)
     else:
         raise TypeError(f"{op}: attention_mask must be bool (True keeps) or float (additive), got {mask.dtype}")
@@ -120,8 +127,10 @@ def check_cu_seqlens(op: str, name: str, cu_seqlens: torch.Tensor, total: int) -
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{op}: {name} must be a 1-D int32 tensor of at least 2 offsets (as FlashAttention "
-                         f"takes them), got shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+        raise ValueError(
+            f"{op}: {name} must be a 1-D int32 tensor of at least 2 offsets (as FlashAttention "
+            f"takes them), got shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+        )
     offsets = _offsets(cu_seqlens)
     if offsets[0] != 0:
         raise ValueError(f"{op}: {name} must start at 0, got {offsets}")
@@ -133,6 +142,7 @@ def check_cu_seqlens(op: str, name: str, cu_seqlens: torch.Tensor, total: int) -
 
 
 # --- the custom ops -------------------------------------------------------------------------------------
+
 
 def _segments(cu_seqlens: torch.Tensor | None):
     if cu_seqlens is None:
@@ -150,18 +160,40 @@ def _validate_op(q, k, v, bias, cu_seqlens) -> None:
             raise TypeError(f"flash_attn_fwd: bias must be float32, got {bias.dtype}")
     _kernels.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape), None if bias is None else tuple(bias.shape))
     if cu_seqlens is not None and (q.shape[0] != 1 or q.shape[2] != k.shape[2]):
-        raise ValueError(f"flash_attn_fwd: packed sequences need batch 1 and as many queries as keys, got q "
-                         f"{tuple(q.shape)} and k {tuple(k.shape)}")
+        raise ValueError(
+            f"flash_attn_fwd: packed sequences need batch 1 and as many queries as keys, got q "
+            f"{tuple(q.shape)} and k {tuple(k.shape)}"
+        )
 
 
 @define_op(f"{_NS}::flash_attn_fwd")
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
-                   causal: bool, window: int, softcap: float,
-                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    window: int,
+    softcap: float,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, H, Sq, D] forward: (out in q's dtype, lse [B, H, Sq] fp32)."""
     _validate_op(q, k, v, bias, cu_seqlens)
-    return launches.forward(_kernels.flash_attn_fwd, q, k, v, bias, float(scale), bool(causal), int(window),
-                            float(softcap), _segments(cu_seqlens), _kernels, MASKED_LOGIT)
+    return launches.forward(
+        _kernels.flash_attn_fwd,
+        q,
+        k,
+        v,
+        bias,
+        float(scale),
+        bool(causal),
+        int(window),
+        float(softcap),
+        _segments(cu_seqlens),
+        _kernels,
+        MASKED_LOGIT,
+    )
 
 
 @flash_attn_fwd.register_fake
@@ -171,13 +203,37 @@ def _(q, k, v, bias, scale, causal, window, softcap, cu_seqlens):
 
 
 @define_op(f"{_NS}::flash_attn_bwd")
-def flash_attn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool, window: int,
-                   softcap: float, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_attn_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    window: int,
+    softcap: float,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: (dq, dk, dv), dk/dv per KV head (summed over the query heads of each group)."""
-    dq, dk, dv = launches.backward(_kernels.flash_attn_bwd, grad_out.contiguous(), q, k, v, out, lse, bias,
-                                   float(scale), bool(causal), int(window), float(softcap), _segments(cu_seqlens),
-                                   _kernels)
+    dq, dk, dv = launches.backward(
+        _kernels.flash_attn_bwd,
+        grad_out.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        bias,
+        float(scale),
+        bool(causal),
+        int(window),
+        float(softcap),
+        _segments(cu_seqlens),
+        _kernels,
+    )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -205,9 +261,20 @@ torch.library.register_autograd(f"{_NS}::flash_attn_fwd", _backward, setup_conte
 
 # --- public functions -----------------------------------------------------------------------------------
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                    scale: float | None = None, causal: bool = False, window: int | None = None,
-                    softcap: float | None = None, dropout: float = 0.0, return_lse: bool = False):
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    return_lse: bool = False,
+):
     """Attention with the NKI kernel. q ``[B, H, Sq, D]``, k/v ``[B, Hkv, Sk, D]`` -> ``[B, H, Sq, D]``.
 
     Args:
@@ -226,16 +293,36 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attent
     _check_options(op, scale, window, softcap, dropout)
     batch, heads, sq, d = q.shape
     bias = mask_to_bias(op, attention_mask, (batch, heads, sq, k.shape[2]), q.device)
-    out, lse = flash_attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), bias,
-                              float(scale) if scale is not None else d ** -0.5, bool(causal), int(window or 0),
-                              float(softcap or 0.0), None)
+    out, lse = flash_attn_fwd(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        bias,
+        float(scale) if scale is not None else d**-0.5,
+        bool(causal),
+        int(window or 0),
+        float(softcap or 0.0),
+        None,
+    )
     return (out, lse) if return_lse else out
 
 
-def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
-                      scale: float | None = None, causal: bool = False, window: int | None = None,
-                      softcap: float | None = None, dropout: float = 0.0, return_lse: bool = False):
+def flash_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    return_lse: bool = False,
+):
     """Packed variable-length sequences: q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` -> ``[total_q, H, D]``.
 
     Sequence ``i`` is queries ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` against keys
@@ -252,8 +339,9 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     offsets_q = check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0])
     offsets_k = check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0])
     if len(offsets_q) != len(offsets_k):
-        raise ValueError(f"{op}: cu_seqlens_q holds {len(offsets_q) - 1} sequences but cu_seqlens_k "
-                         f"{len(offsets_k) - 1}")
+        raise ValueError(
+            f"{op}: cu_seqlens_q holds {len(offsets_q) - 1} sequences but cu_seqlens_k {len(offsets_k) - 1}"
+        )
     for name, offsets, value in (("max_seqlen_q", offsets_q, max_seqlen_q), ("max_seqlen_k", offsets_k, max_seqlen_k)):
         longest = max(b - a for a, b in zip(offsets, offsets[1:]))
         if int(value) < longest:
@@ -274,8 +362,15 @@ def _packed(q, k, v, cu_seqlens, scale, causal, window, softcap):
     """One launch over sequences of equal query and key lengths, as the kernel's segments."""
     d = q.shape[-1]
     packed = [x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v)]  # [1, H, total, D]
-    out, lse = flash_attn_fwd(*packed, None, float(scale) if scale is not None else d ** -0.5, bool(causal),
-                              int(window or 0), float(softcap or 0.0), cu_seqlens)
+    out, lse = flash_attn_fwd(
+        *packed,
+        None,
+        float(scale) if scale is not None else d**-0.5,
+        bool(causal),
+        int(window or 0),
+        float(softcap or 0.0),
+        cu_seqlens,
+    )
     return out.squeeze(0).transpose(0, 1).contiguous(), lse.squeeze(0)
 
 
@@ -289,8 +384,14 @@ def _sequence_by_sequence(q, k, v, offsets_q, offsets_k, scale, causal, window, 
             outs.append(q.new_zeros((q1 - q0,) + tuple(q.shape[1:])))
             lses.append(q.new_full((q.shape[1], q1 - q0), float("-inf"), dtype=torch.float32))
             continue
-        out, lse = flash_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k[k0:k1], v[k0:k1])),
-                                   scale=scale, causal=causal, window=window, softcap=softcap, return_lse=True)
+        out, lse = flash_attention(
+            *(x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k[k0:k1], v[k0:k1])),
+            scale=scale,
+            causal=causal,
+            window=window,
+            softcap=softcap,
+            return_lse=True,
+        )
         outs.append(out.squeeze(0).transpose(0, 1))
         lses.append(lse.squeeze(0))
     if not outs:
@@ -299,6 +400,7 @@ def _sequence_by_sequence(q, k, v, offsets_q, offsets_k, scale, causal, window, 
 
 
 # --- pure-torch references ------------------------------------------------------------------------------
+
 
 def _visible(sq: int, sk: int, causal: bool, window: int | None, segments, device) -> torch.Tensor:
     """[Sq, Sk] bool: which keys each query may see (before any mask/bias)."""
@@ -327,11 +429,20 @@ def _logits(q, k, scale, softcap):
     return s
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        attention_mask: torch.Tensor | None = None, scale: float | None = None,
-                        causal: bool = False, window: int | None = None, softcap: float | None = None,
-                        dropout: float = 0.0, cu_seqlens: torch.Tensor | None = None,
-                        return_lse: bool = False):
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    cu_seqlens: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
     """Pure torch, the semantics of ``flash_attention`` (``[B, H, Sq, D]`` layout).
 
     Matmuls run in the inputs' dtype and the softmax in fp32, as transformers' eager attention does,
@@ -344,8 +455,11 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     segments = _segments(cu_seqlens)
     logits = _logits(q, k, scale, softcap).float()
     if attention_mask is not None:
-        logits = logits.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+        logits = (
+            logits.masked_fill(~attention_mask, float("-inf"))
+            if attention_mask.dtype == torch.bool
             else logits + attention_mask.float()
+        )
     logits = logits.masked_fill(~_visible(sq, sk, causal, window, segments, q.device), float("-inf"))
     # As in the kernel, a row whose every logit is at or below -1e30 (-inf, or a float mask's
     # finfo.min) has seen no key.
@@ -392,5 +506,13 @@ def attention_backward_reference(q, k, v, out, grad_out, lse, bias, scale, causa
     return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
 
 
-__all__ = ["MAX_HEAD_DIM", "attention_backward_reference", "attention_reference", "flash_attention",
-           "flash_attn_bwd", "flash_attn_fwd", "flash_attn_varlen", "mask_to_bias"]
+__all__ = [
+    "MAX_HEAD_DIM",
+    "attention_backward_reference",
+    "attention_reference",
+    "flash_attention",
+    "flash_attn_bwd",
+    "flash_attn_fwd",
+    "flash_attn_varlen",
+    "mask_to_bias",
+]

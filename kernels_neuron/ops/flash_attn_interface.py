@@ -33,10 +33,16 @@ _OP = "flash_attn_forward"
 
 # --- transformers' attention function -------------------------------------------------------------------
 
-def unsupported_reasons(module: torch.nn.Module | None = None, training: bool = False,
-                        query: torch.Tensor | None = None, key: torch.Tensor | None = None,
-                        value: torch.Tensor | None = None, dropout: float = 0.0,
-                        s_aux: torch.Tensor | None = None) -> list[str]:
+
+def unsupported_reasons(
+    module: torch.nn.Module | None = None,
+    training: bool = False,
+    query: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    s_aux: torch.Tensor | None = None,
+) -> list[str]:
     """Why the kernel cannot serve this transformers attention module (empty when it can); given the
     call's tensors and options, also why it cannot serve that call."""
     reasons = _call_reasons(query, key, value, dropout, s_aux)
@@ -81,10 +87,17 @@ def supports_flash_attn(module: torch.nn.Module | None = None, training: bool = 
     return not unsupported_reasons(module, training)
 
 
-def flash_attn_forward(module: torch.nn.Module | None, query: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                       scaling: float | None = None, is_causal: bool | None = None,
-                       **kwargs) -> tuple[torch.Tensor, None]:
+def flash_attn_forward(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract, with the masks of ``masking_utils.sdpa_mask``.
 
     ``attention_mask`` is None or a bool keep-mask (or additive float mask) broadcastable to
@@ -106,15 +119,15 @@ def flash_attn_forward(module: torch.nn.Module | None, query: torch.Tensor, key:
     if kwargs.get("cache") is not None:
         raise ValueError(f"{_OP}: a paged (continuous-batching) cache is not supported here")
     if kwargs.get("output_attentions", False):
-        warnings.warn(f"{_OP}: attention weights are not returned (output_attentions=True is ignored)",
-                      stacklevel=2)
+        warnings.warn(f"{_OP}: attention weights are not returned (output_attentions=True is ignored)", stacklevel=2)
     softcap = kwargs.get("softcap")
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     sq, sk = query.shape[2], key.shape[2]
-    packed = _packed_sequences(query, key, attention_mask, bool(is_causal), int(window or 0) if is_causal else 0,
-                               kwargs)
+    packed = _packed_sequences(
+        query, key, attention_mask, bool(is_causal), int(window or 0) if is_causal else 0, kwargs
+    )
     if packed is not None:
         return _packed_attention(query, key, value, packed, scaling, bool(is_causal), window, softcap, dropout), None
     runs = _padding_runs(attention_mask, sq, sk, int(window or 0)) if is_causal else None
@@ -129,8 +142,17 @@ def flash_attn_forward(module: torch.nn.Module | None, query: torch.Tensor, key:
         window = int(window) if causal and window else None
     else:
         causal, window = False, None  # the mask has it all
-    out = flash_attention(query, key, value, attention_mask=attention_mask, scale=scaling, causal=causal,
-                          window=window, softcap=softcap, dropout=dropout)
+    out = flash_attention(
+        query,
+        key,
+        value,
+        attention_mask=attention_mask,
+        scale=scaling,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        dropout=dropout,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -168,8 +190,14 @@ def _packed_sequences(query, key, attention_mask, causal: bool, window: int, kwa
     transformers' masks read them: a new sequence wherever the position does not grow by 1). None
     otherwise, and while torch.compile traces (the sequences are data)."""
     total = query.shape[2]
-    if (query.shape[0] != 1 or key.shape[2] != total or attention_mask is None or attention_mask.dtype != torch.bool
-            or tuple(attention_mask.shape) != (1, 1, total, total) or torch.compiler.is_compiling()):
+    if (
+        query.shape[0] != 1
+        or key.shape[2] != total
+        or attention_mask is None
+        or attention_mask.dtype != torch.bool
+        or tuple(attention_mask.shape) != (1, 1, total, total)
+        or torch.compiler.is_compiling()
+    ):
         return None
     cu_q, cu_k, positions = (kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids"))
     if cu_q is not None and cu_k is not None:
@@ -198,16 +226,34 @@ def _packed_attention(query, key, value, cu_seqlens, scaling, causal, window, so
     """[1, H, S, D] packed sequences through the kernel's sequence path -> [1, S, H, D]."""
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    out = flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scaling, causal=causal,
-                            window=int(window) if causal and window else None, softcap=softcap, dropout=dropout)
+    out = flash_attn_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        longest,
+        longest,
+        scale=scaling,
+        causal=causal,
+        window=int(window) if causal and window else None,
+        softcap=softcap,
+        dropout=dropout,
+    )
     return out.unsqueeze(0)
 
 
 def _padding_runs(mask, sq: int, sk: int, window: int) -> list[tuple[int, int]] | None:
     """Per batch row the run ``[start, end)`` of keys a padding mask keeps, when the bool mask
     ``[B, 1, Sq, Sk]`` is exactly causal (bottom-right, within ``window``) and those keys; else None."""
-    if (mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
-            or tuple(mask.shape[2:]) != (sq, sk) or torch.compiler.is_compiling()):
+    if (
+        mask is None
+        or mask.dtype != torch.bool
+        or mask.dim() != 4
+        or mask.shape[1] != 1
+        or tuple(mask.shape[2:]) != (sq, sk)
+        or torch.compiler.is_compiling()
+    ):
         return None
 
     def check() -> list[tuple[int, int]] | None:
@@ -235,8 +281,20 @@ def _unpadded_attention(query, key, value, runs, scaling, window, softcap, dropo
     lengths = torch.tensor([0] + [end - start for start, end in runs])
     cu = lengths.cumsum(0).to(torch.int32).to(query.device)
     longest = int(lengths.max())
-    packed = flash_attn_varlen(q, k, v, cu, cu, longest, longest, scale=scaling, causal=True,
-                               window=int(window) if window else None, softcap=softcap, dropout=dropout)
+    packed = flash_attn_varlen(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        longest,
+        longest,
+        scale=scaling,
+        causal=True,
+        window=int(window) if window else None,
+        softcap=softcap,
+        dropout=dropout,
+    )
     out = packed.new_zeros(batch * seq, heads, d)
     out[rows] = packed
     return out.reshape(batch, seq, heads, d)
@@ -248,23 +306,37 @@ def _causal_with_padded_keys(query, key, value, runs, scaling, window, softcap, 
     keys_kept = torch.zeros(len(runs), 1, 1, key.shape[2], dtype=torch.bool, device=query.device)
     for b, (start, end) in enumerate(runs):
         keys_kept[b, ..., start:end] = True
-    out = flash_attention(query, key, value, attention_mask=keys_kept, scale=scaling, causal=True,
-                          window=int(window) if window else None, softcap=softcap, dropout=dropout)
+    out = flash_attention(
+        query,
+        key,
+        value,
+        attention_mask=keys_kept,
+        scale=scaling,
+        causal=True,
+        window=int(window) if window else None,
+        softcap=softcap,
+        dropout=dropout,
+    )
     return out.transpose(1, 2).contiguous()
 
 
 # --- FlashAttention-2's functions -----------------------------------------------------------------------
 
+
 def _window(window_size, causal: bool, op: str) -> int | None:
     """FA2's ``(left, right)`` window (-1 = unbounded) as the kernel's window (keys per query)."""
     pair = tuple(window_size) if isinstance(window_size, (tuple, list)) else None
     if pair is None or len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair):
-        raise ValueError(f"{op}: window_size must be a (left, right) pair of ints, -1 for unbounded (e.g. (4095, 0) "
-                         f"for a 4096-key sliding window), got {window_size!r}")
+        raise ValueError(
+            f"{op}: window_size must be a (left, right) pair of ints, -1 for unbounded (e.g. (4095, 0) "
+            f"for a 4096-key sliding window), got {window_size!r}"
+        )
     left, right = pair
     if right >= 0 and not causal:
-        raise ValueError(f"{op}: a right window (window_size={tuple(window_size)}) is only supported with "
-                         "causal=True; the kernel bounds keys on the left only")
+        raise ValueError(
+            f"{op}: a right window (window_size={tuple(window_size)}) is only supported with "
+            "causal=True; the kernel bounds keys on the left only"
+        )
     return left + 1 if left >= 0 else None
 
 
@@ -274,29 +346,59 @@ def _unsupported(op: str, **options) -> None:
             raise ValueError(f"{op}: {name} is not supported")
 
 
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                    softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
-                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
-                    return_attn_probs: bool = False, s_aux: torch.Tensor | None = None):
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    s_aux: torch.Tensor | None = None,
+):
     """FA2 ``flash_attn_func``: q ``[B, Sq, H, D]``, k/v ``[B, Sk, Hkv, D]`` -> ``[B, Sq, H, D]``.
 
     With ``return_attn_probs`` returns ``(out, softmax_lse [B, H, Sq], None)``.
     """
     op = "flash_attn_func"
     _unsupported(op, alibi_slopes=alibi_slopes, s_aux=s_aux)
-    out, lse = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale,
-                               causal=causal, window=_window(window_size, causal, op), softcap=softcap or None,
-                               dropout=dropout_p, return_lse=True)
+    out, lse = flash_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        scale=softmax_scale,
+        causal=causal,
+        window=_window(window_size, causal, op),
+        softcap=softcap or None,
+        dropout=dropout_p,
+        return_lse=True,
+    )
     out = out.transpose(1, 2).contiguous()
     return (out, lse, None) if return_attn_probs else out
 
 
-def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
-                           softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
-                           softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                           deterministic: bool = False, return_attn_probs: bool = False,
-                           s_aux: torch.Tensor | None = None):
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    s_aux: torch.Tensor | None = None,
+):
     """FA2 ``flash_attn_varlen_func``: packed q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]``.
 
     ``cu_seqlens_q``/``cu_seqlens_k`` are validated as FlashAttention takes them (1-D int32, from 0,
@@ -307,14 +409,27 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     """
     op = "flash_attn_varlen_func"
     _unsupported(op, alibi_slopes=alibi_slopes, s_aux=s_aux)
-    out, lse = flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 scale=softmax_scale, causal=causal, window=_window(window_size, causal, op),
-                                 softcap=softcap or None, dropout=dropout_p, return_lse=True)
+    out, lse = flash_attn_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale=softmax_scale,
+        causal=causal,
+        window=_window(window_size, causal, op),
+        softcap=softcap or None,
+        dropout=dropout_p,
+        return_lse=True,
+    )
     return (out, lse, None) if return_attn_probs else out
 
 
-def _cache_positions(k_cache: torch.Tensor, block_table: torch.Tensor | None, b: int,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cache_positions(
+    k_cache: torch.Tensor, block_table: torch.Tensor | None, b: int, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cache row, slot) of logical positions of sequence ``b``: a paged cache maps them through ``block_table``."""
     if block_table is None:
         return torch.full_like(positions, b), positions
@@ -346,55 +461,84 @@ def _check_kvcache(op: str, q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
         raise ValueError(f"{op}: head_dim {d} is above the kernel's limit of {MAX_HEAD_DIM}")
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != d or q.shape[2] % kv_heads:
-        raise ValueError(f"{op}: q {tuple(q.shape)} [B, Sq, H, D] does not fit the cache {tuple(k_cache.shape)} "
-                         "[.., .., Hkv, D] (same D, H a multiple of Hkv)")
+        raise ValueError(
+            f"{op}: q {tuple(q.shape)} [B, Sq, H, D] does not fit the cache {tuple(k_cache.shape)} "
+            "[.., .., Hkv, D] (same D, H a multiple of Hkv)"
+        )
     if block_table is None:
         capacity = k_cache.shape[1]
         if k_cache.shape[0] < batch:
             raise ValueError(f"{op}: q has a batch of {batch} but k_cache holds {k_cache.shape[0]} sequences")
     else:
-        if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64) or block_table.shape[0] != batch:
-            raise ValueError(f"{op}: block_table must be a 2-D int32 (or int64) tensor [batch={batch}, max_blocks], got shape "
-                             f"{tuple(block_table.shape)} and dtype {block_table.dtype}")
+        if (
+            block_table.dim() != 2
+            or block_table.dtype not in (torch.int32, torch.int64)
+            or block_table.shape[0] != batch
+        ):
+            raise ValueError(
+                f"{op}: block_table must be a 2-D int32 (or int64) tensor [batch={batch}, max_blocks], got shape "
+                f"{tuple(block_table.shape)} and dtype {block_table.dtype}"
+            )
         capacity = k_cache.shape[1] * block_table.shape[1]
     new = 0
     if k is not None:
         new = k.shape[1]
         if k.shape != v.shape or k.shape[0] != batch or tuple(k.shape[2:]) != tuple(k_cache.shape[2:]):
-            raise ValueError(f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [batch={batch}, S_new, "
-                             f"{kv_heads}, {d}]")
+            raise ValueError(
+                f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [batch={batch}, S_new, {kv_heads}, {d}]"
+            )
     if cache_seqlens is None:
         if k is not None:
             raise ValueError(f"{op}: cache_seqlens is needed to append k and v to the cache")
         lengths = [capacity] * batch
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         lengths = [cache_seqlens] * batch
-    elif isinstance(cache_seqlens, torch.Tensor) and not cache_seqlens.is_floating_point() and cache_seqlens.numel() == batch:
+    elif (
+        isinstance(cache_seqlens, torch.Tensor)
+        and not cache_seqlens.is_floating_point()
+        and cache_seqlens.numel() == batch
+    ):
         lengths = [int(x) for x in cache_seqlens.reshape(-1).tolist()]
     else:
-        raise ValueError(f"{op}: cache_seqlens must be an int or an int tensor of {batch} lengths, got {cache_seqlens!r}")
+        raise ValueError(
+            f"{op}: cache_seqlens must be an int or an int tensor of {batch} lengths, got {cache_seqlens!r}"
+        )
     if any(length < 0 or length + new > capacity for length in lengths):
         raise ValueError(f"{op}: cache_seqlens {lengths} plus {new} new tokens do not fit the cache of {capacity}")
     if block_table is not None:  # only the blocks a sequence reads must exist; the entries past it are unused
         blocks = k_cache.shape[0]
         for b, length in enumerate(lengths):
-            used = block_table[b, :(length + new + k_cache.shape[1] - 1) // k_cache.shape[1]]
+            used = block_table[b, : (length + new + k_cache.shape[1] - 1) // k_cache.shape[1]]
             if used.numel() and (int(used.min()) < 0 or int(used.max()) >= blocks):
-                raise ValueError(f"{op}: block_table[{b}] names blocks {used.tolist()} for its {length + new} "
-                                 f"tokens, outside the cache's 0..{blocks - 1}")
+                raise ValueError(
+                    f"{op}: block_table[{b}] names blocks {used.tolist()} for its {length + new} "
+                    f"tokens, outside the cache's 0..{blocks - 1}"
+                )
     return lengths
 
 
-def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                            rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
-                            cache_seqlens: int | torch.Tensor | None = None,
-                            cache_batch_idx: torch.Tensor | None = None,
-                            cache_leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                            softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
-                            softcap: float = 0.0, rotary_interleaved: bool = True,
-                            alibi_slopes: torch.Tensor | None = None, num_splits: int = 0,
-                            return_softmax_lse: bool = False, s_aux: torch.Tensor | None = None):
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    s_aux: torch.Tensor | None = None,
+):
     """FA2 ``flash_attn_with_kvcache``: q ``[B, Sq, H, D]`` against a KV cache, ``[B, S_cache, Hkv, D]``
     or paged ``[blocks, block_size, Hkv, D]`` with ``block_table [B, max_blocks]``.
 
@@ -406,20 +550,29 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``(out, softmax_lse [B, H, Sq])``.
     """
     op = "flash_attn_with_kvcache"
-    _unsupported(op, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                 cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes, s_aux=s_aux)
+    _unsupported(
+        op,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        alibi_slopes=alibi_slopes,
+        s_aux=s_aux,
+    )
     lengths = _check_kvcache(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     window = _window(window_size, causal, op)
     _check_options(op, softmax_scale, window, softcap or None, 0.0)
     batch, sq = q.shape[0], q.shape[1]
     new = 0 if k is None else k.shape[1]
-    attend = functools.partial(flash_attention, scale=softmax_scale, causal=causal, window=window,
-                               softcap=softcap or None, return_lse=True)
+    attend = functools.partial(
+        flash_attention, scale=softmax_scale, causal=causal, window=window, softcap=softcap or None, return_lse=True
+    )
     keys, values = [], []
     for b, length in enumerate(lengths):
         if k is not None and v is not None:  # _check_kvcache: both or neither
-            rows, slots = _cache_positions(k_cache, block_table, b,
-                                           torch.arange(length, length + new, device=k_cache.device))
+            rows, slots = _cache_positions(
+                k_cache, block_table, b, torch.arange(length, length + new, device=k_cache.device)
+            )
             k_cache[rows, slots] = k[b].to(k_cache.dtype)
             v_cache[rows, slots] = v[b].to(v_cache.dtype)
         rows, slots = _cache_positions(k_cache, block_table, b, torch.arange(length + new, device=k_cache.device))
@@ -435,8 +588,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 outs.append(query.new_zeros((1,) + tuple(query.shape[1:])))
                 lses.append(query.new_full((1, query.shape[1], sq), float("-inf"), dtype=torch.float32))
                 continue
-            seq_out, seq_lse = attend(query[b:b + 1], keys[b].transpose(0, 1).unsqueeze(0),
-                                      values[b].transpose(0, 1).unsqueeze(0))
+            seq_out, seq_lse = attend(
+                query[b : b + 1], keys[b].transpose(0, 1).unsqueeze(0), values[b].transpose(0, 1).unsqueeze(0)
+            )
             outs.append(seq_out)
             lses.append(seq_lse)
         out, lse = torch.cat(outs), torch.cat(lses)
@@ -444,5 +598,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return (out, lse) if return_softmax_lse else out
 
 
-__all__ = ["flash_attn_forward", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-           "supports_flash_attn", "unsupported_reasons"]
+__all__ = [
+    "flash_attn_forward",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "supports_flash_attn",
+    "unsupported_reasons",
+]

@@ -46,8 +46,13 @@ _OP = "gated_mlp"
 
 # transformers' activation classes (module transformers.activations) by what the kernel computes.
 # GELUTanh (both its C and Python paths), NewGELU and FastGELU are the same tanh formula.
-_TRANSFORMERS_ACTIVATIONS = {"SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
-                             "NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh"}
+_TRANSFORMERS_ACTIVATIONS = {
+    "SiLUActivation": "silu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+}
 _EXACT_GELU = {"GELUActivation", "AccurateGELUActivation", "QuickGELUActivation", "ClippedGELUActivation"}
 
 
@@ -72,14 +77,22 @@ def describe_activation(act: object) -> str:
     return f"activation {name}{detail} is not one the kernel implements (SiLU, tanh-approximated GELU)"
 
 
-def _check_shapes(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
-                  activation: str) -> None:
-    _kernels.check_shapes(tuple(x.shape), tuple(w_gate.shape), None if w_up is None else tuple(w_up.shape),
-                          tuple(w_down.shape), activation, [dtype_name(x.dtype)])
+def _check_shapes(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor, activation: str
+) -> None:
+    _kernels.check_shapes(
+        tuple(x.shape),
+        tuple(w_gate.shape),
+        None if w_up is None else tuple(w_up.shape),
+        tuple(w_down.shape),
+        activation,
+        [dtype_name(x.dtype)],
+    )
 
 
-def validate(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
-             activation: str) -> None:
+def validate(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor, activation: str
+) -> None:
     """Raise a clear error (op, shape, limit) for anything the kernel cannot take."""
     named = [("x", x), ("gate weight" if w_up is not None else "gate_up weight", w_gate), ("down weight", w_down)]
     if w_up is not None:
@@ -90,8 +103,10 @@ def validate(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w
         raise ValueError(f"{_OP}: activation {activation!r} is not one of {ACTIVATIONS}")
     dtypes = {name: t.dtype for name, t in named}
     if len(set(dtypes.values())) != 1:
-        raise TypeError(f"{_OP}: x and the weights must share one dtype, got "
-                        + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()))
+        raise TypeError(
+            f"{_OP}: x and the weights must share one dtype, got "
+            + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        )
     devices = {t.device for _, t in named}
     if len(devices) != 1:
         raise ValueError(f"{_OP}: x and the weights are on different devices: {sorted(map(str, devices))}")
@@ -105,8 +120,14 @@ def _saved_shape(x: torch.Tensor, w_down: torch.Tensor) -> tuple[int, ...]:
 
 
 @define_op(f"{_NS}::mlp_fwd")
-def mlp_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
-            activation: str, save_for_backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def mlp_fwd(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    activation: str,
+    save_for_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, H] forward: (y, saved). ``saved`` holds the gate/up projections when
     ``save_for_backward``, else it is empty and nothing [T, I]-sized is written."""
     validate(x, w_gate, w_up, w_down, activation)
@@ -123,9 +144,15 @@ def _(x, w_gate, w_up, w_down, activation, save_for_backward):
 
 
 @define_op(f"{_NS}::mlp_bwd")
-def mlp_bwd(grad_out: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None,
-            w_down: torch.Tensor, saved: torch.Tensor, activation: str
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def mlp_bwd(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    saved: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d w_gate, d w_up, d w_down); d w_up is empty for a fused gate_up weight, whose
     gradient (both halves) is d w_gate."""
     grads = run_kernel(_kernels.mlp_bwd, grad_out.contiguous(), x, w_gate, w_up, w_down, saved, activation)
@@ -149,11 +176,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_saved):
     if not ctx.saved_gate_up:
-        raise RuntimeError(f"{_OP}: mlp_fwd ran with save_for_backward=False, so it kept nothing to "
-                           "differentiate; call gated_mlp (which saves when gradients are needed)")
+        raise RuntimeError(
+            f"{_OP}: mlp_fwd ran with save_for_backward=False, so it kept nothing to "
+            "differentiate; call gated_mlp (which saves when gradients are needed)"
+        )
     x, w_gate, w_up, w_down, saved = ctx.saved_tensors
-    dx, dw_gate, dw_up, dw_down = mlp_bwd(grad_out, x, w_gate, None if ctx.fused else w_up, w_down, saved,
-                                          ctx.activation)
+    dx, dw_gate, dw_up, dw_down = mlp_bwd(
+        grad_out, x, w_gate, None if ctx.fused else w_up, w_down, saved, ctx.activation
+    )
     return dx, dw_gate, None if ctx.fused else dw_up, dw_down, None, None
 
 
@@ -202,21 +232,42 @@ class _GatedMLPWithUpdates(torch.autograd.Function):
         d_factors = []
         for owner, scale, a, b in zip(ctx.owners, ctx.scales, factors[0::2], factors[1::2]):
             d_weight = d_merged[owner].float()
-            d_factors += [(scale * (b.float().t() @ d_weight)).to(a.dtype), (scale * (d_weight @ a.float().t())).to(b.dtype)]
-        d_weights = [None if w is None or not needed else d.to(w.dtype)
-                     for w, d, needed in zip(weights, d_merged, ctx.needs_input_grad[1:4])]
+            d_factors += [
+                (scale * (b.float().t() @ d_weight)).to(a.dtype),
+                (scale * (d_weight @ a.float().t())).to(b.dtype),
+            ]
+        d_weights = [
+            None if w is None or not needed else d.to(w.dtype)
+            for w, d, needed in zip(weights, d_merged, ctx.needs_input_grad[1:4])
+        ]
         return (dx, *d_weights, None, None, None, *d_factors)
 
 
 def _merged_weights(weights, owners, scales, factors, dtype):
-    return tuple(None if w is None else _merge(w, [LowRankUpdate(a, b, scale) for o, scale, a, b in
-                                                    zip(owners, scales, factors[0::2], factors[1::2]) if o == i], dtype)
-                 for i, w in enumerate(weights))
+    return tuple(
+        None
+        if w is None
+        else _merge(
+            w,
+            [
+                LowRankUpdate(a, b, scale)
+                for o, scale, a, b in zip(owners, scales, factors[0::2], factors[1::2])
+                if o == i
+            ],
+            dtype,
+        )
+        for i, w in enumerate(weights)
+    )
 
 
-def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
-              activation: str = "silu",
-              updates: Sequence[Sequence[LowRankUpdate]] | None = None) -> torch.Tensor:
+def gated_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+    updates: Sequence[Sequence[LowRankUpdate]] | None = None,
+) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` over the last dim of ``x`` (any leading shape) with the NKI kernel.
 
     Weights in the ``nn.Linear`` layout: ``w_gate``/``w_up`` [I, H], ``w_down`` [H, I]; or Phi3's
@@ -240,24 +291,26 @@ def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, 
     if updates and any(updates):
         return _gated_mlp_with_updates(x, w_gate, w_up, w_down, activation, updates)
     validate(x, w_gate, w_up, w_down, activation)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down))
     out, _ = mlp_fwd(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down, activation, needs_grad)
     return out.reshape(x.shape)
 
 
 def _gated_mlp_with_updates(x, w_gate, w_up, w_down, activation, updates) -> torch.Tensor:
     if len(updates) != 3:
-        raise ValueError(f"{_OP}: updates must list the updates of the gate, up and down weights (3 lists), "
-                         f"got {len(updates)}")
+        raise ValueError(
+            f"{_OP}: updates must list the updates of the gate, up and down weights (3 lists), got {len(updates)}"
+        )
     if w_up is None and updates[1]:
         raise ValueError(f"{_OP}: a fused gate_up weight takes its updates in the gate list, not the up list")
     owners, scales, factors = [], [], []
     for owner, (weight, weight_updates) in enumerate(zip((w_gate, w_up, w_down), updates)):
         for update in weight_updates:
             if weight is not None and (update.b.shape[0], update.a.shape[1]) != tuple(weight.shape):
-                raise ValueError(f"{_OP}: a low-rank update b {tuple(update.b.shape)} @ a {tuple(update.a.shape)} "
-                                 f"does not match the {('gate', 'up', 'down')[owner]} weight {tuple(weight.shape)}")
+                raise ValueError(
+                    f"{_OP}: a low-rank update b {tuple(update.b.shape)} @ a {tuple(update.a.shape)} "
+                    f"does not match the {('gate', 'up', 'down')[owner]} weight {tuple(weight.shape)}"
+                )
             owners.append(owner)
             scales.append(float(update.scale))
             factors += [update.a, update.b]
@@ -266,16 +319,23 @@ def _gated_mlp_with_updates(x, w_gate, w_up, w_down, activation, updates) -> tor
         raise ValueError(f"{_OP}: x of shape {tuple(x.shape)} is empty (no tokens)")
     rows = x.reshape(-1, x.shape[-1])
     # mlp_fwd validates the merged weights (shapes, limits, dtypes)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down, *factors))):
+    if not (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down, *factors))
+    ):
         merged = _merged_weights((w_gate, w_up, w_down), owners, scales, factors, x.dtype)
         return mlp_fwd(rows, *merged, activation, False)[0].reshape(x.shape)  # nothing kept for a backward
     out = _GatedMLPWithUpdates.apply(rows, w_gate, w_up, w_down, activation, tuple(owners), tuple(scales), *factors)
     return out.reshape(x.shape)
 
 
-def gated_mlp_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
-                        activation: str = "silu",
-                        updates: Sequence[Sequence[LowRankUpdate]] | None = None) -> torch.Tensor:
+def gated_mlp_reference(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+    updates: Sequence[Sequence[LowRankUpdate]] | None = None,
+) -> torch.Tensor:
     """Pure torch, the same computation as transformers' LlamaMLP (and Phi3MLP for a fused weight), with
     each low-rank update applied as PEFT's LoRA layer applies it: ``linear(x, W) + scale * b(a(x))``."""
     if activation not in ACTIVATIONS:

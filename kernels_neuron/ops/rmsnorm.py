@@ -42,11 +42,14 @@ def validate(x: torch.Tensor, weight: torch.Tensor, convention: str) -> None:
 
 
 @define_op(f"{_NS}::rmsnorm_fwd")
-def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, convention: str) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, convention: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, H] forward: (out, rstd [N, 1] fp32)."""
     validate(x, weight, convention)
-    return run_kernel(_kernels.rmsnorm_fwd, x, weight, float(eps), convention,
-                      dtype_name(_output_dtype(x, weight, convention)))
+    return run_kernel(
+        _kernels.rmsnorm_fwd, x, weight, float(eps), convention, dtype_name(_output_dtype(x, weight, convention))
+    )
 
 
 @rmsnorm_fwd.register_fake
@@ -57,8 +60,9 @@ def _(x, weight, eps, convention):
 
 
 @define_op(f"{_NS}::rmsnorm_bwd")
-def rmsnorm_bwd(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                convention: str) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_bwd(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, convention: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, H] backward: (dx in x's dtype, dweight fp32)."""
     return run_kernel(_kernels.rmsnorm_bwd, grad_out.contiguous(), x, weight, rstd, convention)
 

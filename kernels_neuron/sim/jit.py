@@ -98,8 +98,15 @@ def simulate(kernel: Callable[..., Any]) -> Kernel:
     return kernel if isinstance(kernel, Kernel) else Kernel(kernel)
 
 
-def run(kernel: Callable[..., Any], *args: Any, target: str | Target | None = None, grid: Any = None,
-        capacity: str = "error", seed: int = 0, **kwargs: Any) -> SimResult:
+def run(
+    kernel: Callable[..., Any],
+    *args: Any,
+    target: str | Target | None = None,
+    grid: Any = None,
+    capacity: str = "error",
+    seed: int = 0,
+    **kwargs: Any,
+) -> SimResult:
     """Simulate one launch and return its outputs together with its trace.
 
     ``target`` is "trn1", "trn2" (default) or "trn3" (else ``NEURON_PLATFORM_TARGET_OVERRIDE``);
@@ -126,8 +133,15 @@ class capture:
         _captures.stack.remove(self.traces)
 
 
-def launch(kernel: Kernel, args: tuple, kwargs: dict, *, target: str | Target | None = None,
-           capacity: str = "error", seed: int = 0) -> SimResult:
+def launch(
+    kernel: Kernel,
+    args: tuple,
+    kwargs: dict,
+    *,
+    target: str | Target | None = None,
+    capacity: str = "error",
+    seed: int = 0,
+) -> SimResult:
     chosen = resolve(target)
     torch_in = any(_is_torch(a) for a in itertools.chain(args, kwargs.values()))
     trace = Trace(chosen.name, kernel=getattr(kernel.func, "__name__", ""))
@@ -135,8 +149,16 @@ def launch(kernel: Kernel, args: tuple, kwargs: dict, *, target: str | Target | 
     shared: dict[int, runtime.Buffer] = {}
     outputs: Any = None
     for program in np.ndindex(*grid):
-        rt = runtime.Run(chosen, capacity=capacity, program_id=tuple(int(p) for p in program), grid=grid,
-                         trace=trace, shared=shared, seed=seed, explicit_grid=kernel.grid is not None)
+        rt = runtime.Run(
+            chosen,
+            capacity=capacity,
+            program_id=tuple(int(p) for p in program),
+            grid=grid,
+            trace=trace,
+            shared=shared,
+            seed=seed,
+            explicit_grid=kernel.grid is not None,
+        )
         with runtime.activate(rt):
             hbm_args = [_to_hbm(rt, a, f"arg{i}") for i, a in enumerate(args)]
             hbm_kwargs = {k: _to_hbm(rt, v, k) for k, v in kwargs.items()}

@@ -112,17 +112,20 @@ def _check_alloc(shape: Sequence[int], buffer: str, what: str) -> tuple[int, ...
         raise ValueError(f"{what}: every dim must be positive, got {list(shape)}")
     if buffer in runtime.ON_CHIP:
         if len(shape) < 2:
-            raise rule(what, "shape", "on-chip tensors need a partition dim and at least one free dim",
-                       shape=list(shape))
+            raise rule(
+                what, "shape", "on-chip tensors need a partition dim and at least one free dim", shape=list(shape)
+            )
         limit = runtime.current().target.partitions
         if shape[0] > limit:
-            raise rule(what, "shape", "partition dim (dim 0) exceeds the partition count",
-                       partitions=shape[0], limit=limit)
+            raise rule(
+                what, "shape", "partition dim (dim 0) exceeds the partition count", partitions=shape[0], limit=limit
+            )
     return shape
 
 
-def ndarray(shape: Sequence[int], dtype: Any, buffer: str | None = None, name: str | None = "",
-            address: Any = None) -> Tensor:
+def ndarray(
+    shape: Sequence[int], dtype: Any, buffer: str | None = None, name: str | None = "", address: Any = None
+) -> Tensor:
     """A new tensor of ``shape``/``dtype`` in ``buffer`` (SBUF by default), uninitialized (NaN).
 
     ``address`` (a compiler placement hint) is accepted and ignored: the simulator allocates
@@ -344,8 +347,12 @@ def _assign(dst: Tensor, value: Any) -> None:
     elif dst.on_chip:
         isa.memset(dst, value)
     else:
-        raise rule("tensor assignment", "dst", f"cannot assign a constant to HBM tensor {dst!r}; "
-                   "memset an SBUF tile and dma_copy it", value=value)
+        raise rule(
+            "tensor assignment",
+            "dst",
+            f"cannot assign a constant to HBM tensor {dst!r}; memset an SBUF tile and dma_copy it",
+            value=value,
+        )
 
 
 def _accumulate_into(dst: Tensor, value: Any) -> None:
@@ -365,8 +372,22 @@ def _accumulate_into(dst: Tensor, value: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # element-wise math
 # ---------------------------------------------------------------------------------------------
-_PRECISION = [bool_, uint8, int8, uint16, int16, uint32, int32, float8_e5m2, float8_e4m3, float8_e4m3fn,
-              bfloat16, float16, tfloat32, float32]
+_PRECISION = [
+    bool_,
+    uint8,
+    int8,
+    uint16,
+    int16,
+    uint32,
+    int32,
+    float8_e5m2,
+    float8_e4m3,
+    float8_e4m3fn,
+    bfloat16,
+    float16,
+    tfloat32,
+    float32,
+]
 
 
 def _promote(*values: Any) -> dtypes.DType:
@@ -450,8 +471,9 @@ def where(condition: Tensor, x: Any, y: Any, dtype: Any = None) -> Tensor:
     _assign(out, y)
     predicate = ndarray(shape, uint8, buffer=sbuf)
     isa.tensor_scalar(predicate, condition, ops.ALL["not_equal"], 0.0)
-    isa.tensor_copy_predicated(out, x if not isinstance(x, Tensor) else _to_sbuf(x, out.dtype) if x.dtype != out.dtype else x,
-                               predicate)
+    isa.tensor_copy_predicated(
+        out, x if not isinstance(x, Tensor) else _to_sbuf(x, out.dtype) if x.dtype != out.dtype else x, predicate
+    )
     return out
 
 
@@ -467,8 +489,11 @@ class _Reduction:
 
     def __call__(self, x: Tensor, axis: Any, dtype: Any = None, keepdims: bool = False) -> Tensor:
         axes = tuple(sorted(a % x.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])))
-        kept = tuple(1 if d in axes else n for d, n in enumerate(x.shape)) if keepdims else \
-            tuple(n for d, n in enumerate(x.shape) if d not in axes)
+        kept = (
+            tuple(1 if d in axes else n for d, n in enumerate(x.shape))
+            if keepdims
+            else tuple(n for d, n in enumerate(x.shape) if d not in axes)
+        )
         if len(kept) < 2:
             kept = kept + (1,) * (2 - len(kept))
         out = ndarray(kept, x.dtype if dtype is None else dtype, buffer=sbuf)

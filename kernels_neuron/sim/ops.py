@@ -38,8 +38,15 @@ class Op:
 
     __slots__ = ("name", "binary", "unary", "kind", "identity")
 
-    def __init__(self, name: str, *, binary: Binary | None = None, unary: Unary | None = None, kind: str = "arith",
-                 identity: float | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        binary: Binary | None = None,
+        unary: Unary | None = None,
+        kind: str = "arith",
+        identity: float | None = None,
+    ) -> None:
         self.name = name
         self.binary = binary
         self.unary = unary
@@ -121,8 +128,12 @@ ARITH = {
 COMPARE = {
     name: Op(name, binary=_fp32(lambda a, b, f=f: f(a, b).astype(np.float32)), kind="compare")
     for name, f in {
-        "equal": np.equal, "not_equal": np.not_equal, "greater": np.greater,
-        "greater_equal": np.greater_equal, "less": np.less, "less_equal": np.less_equal,
+        "equal": np.equal,
+        "not_equal": np.not_equal,
+        "greater": np.greater,
+        "greater_equal": np.greater_equal,
+        "less": np.less,
+        "less_equal": np.less_equal,
     }.items()
 }
 LOGICAL = {
@@ -139,20 +150,37 @@ BITVEC = {
     "invert": Op("invert", unary=lambda x: np.invert(np.asarray(x).astype(np.int64)), kind="bitvec"),
 }
 _ACTIVATION_FNS: dict[str, Callable[[Array], Array]] = {
-    "copy": lambda x: x, "identity": lambda x: x,
-    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x),
-    "reciprocal": lambda x: 1.0 / x, "tanh": np.tanh, "sigmoid": _sigmoid,
+    "copy": lambda x: x,
+    "identity": lambda x: x,
+    "exp": np.exp,
+    "log": np.log,
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x),
+    "reciprocal": lambda x: 1.0 / x,
+    "tanh": np.tanh,
+    "sigmoid": _sigmoid,
     "relu": lambda x: np.maximum(x, 0.0),
     "gelu": lambda x: 0.5 * x * (1.0 + _erf32(x / np.float32(math.sqrt(2.0)))),
     "gelu_apprx_tanh": _gelu_tanh,
     "gelu_apprx_sigmoid": lambda x: x * _sigmoid(1.702 * x),
-    "gelu_dx": _gelu_dx, "gelu_apprx_sigmoid_dx": _gelu_sig_dx,
-    "silu": lambda x: x * _sigmoid(x), "silu_dx": _silu_dx,
-    "softplus": _softplus, "mish": lambda x: x * np.tanh(_softplus(x)),
-    "erf": _erf32, "erf_dx": lambda x: np.float32(2.0 / math.sqrt(math.pi)) * np.exp(-x * x),
-    "sin": np.sin, "cos": np.cos, "tan": np.tan, "arctan": np.arctan,
-    "ceil": np.ceil, "floor": np.floor, "trunc": np.trunc,
-    "negative": np.negative, "sign": np.sign, "square": np.square,
+    "gelu_dx": _gelu_dx,
+    "gelu_apprx_sigmoid_dx": _gelu_sig_dx,
+    "silu": lambda x: x * _sigmoid(x),
+    "silu_dx": _silu_dx,
+    "softplus": _softplus,
+    "mish": lambda x: x * np.tanh(_softplus(x)),
+    "erf": _erf32,
+    "erf_dx": lambda x: np.float32(2.0 / math.sqrt(math.pi)) * np.exp(-x * x),
+    "sin": np.sin,
+    "cos": np.cos,
+    "tan": np.tan,
+    "arctan": np.arctan,
+    "ceil": np.ceil,
+    "floor": np.floor,
+    "trunc": np.trunc,
+    "negative": np.negative,
+    "sign": np.sign,
+    "square": np.square,
     "softsign": lambda x: x / (1.0 + np.abs(x)),
 }
 ACTIVATION = {name: Op(name, unary=_fp32(fn)) for name, fn in _ACTIVATION_FNS.items()}

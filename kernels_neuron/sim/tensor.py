@@ -54,8 +54,13 @@ class Indirect:
         # with N > 1 index columns consumes it; for the usual [P, 1] tile the order is the same.
         rows = np.asarray(self.index.read()).T.reshape(-1).astype(np.int64)
         if rows.size < self.nums[self.dim]:
-            raise rule(instruction, "vector_offset", "fewer indices than the indirect dim's extent",
-                       indices=rows.size, extent=self.nums[self.dim])
+            raise rule(
+                instruction,
+                "vector_offset",
+                "fewer indices than the indirect dim's extent",
+                indices=rows.size,
+                extent=self.nums[self.dim],
+            )
         rows = rows[: self.nums[self.dim]]
         grids = list(np.meshgrid(*[np.arange(n) for n in self.nums], indexing="ij"))  # NumPy 2 returns a tuple
         grids[self.dim] = rows[grids[self.dim]]
@@ -64,8 +69,13 @@ class Indirect:
         inside = (offsets >= 0) & (offsets < size)
         if not skip_oob and not inside.all():
             bad = rows[(~inside).any(axis=tuple(d for d in range(len(self.nums)) if d != self.dim))]
-            raise rule(instruction, "vector_offset", "indirect index out of bounds (oob_mode=error)",
-                       indices=bad.tolist()[:8], allocation_elements=size)
+            raise rule(
+                instruction,
+                "vector_offset",
+                "indirect index out of bounds (oob_mode=error)",
+                indices=bad.tolist()[:8],
+                allocation_elements=size,
+            )
         return offsets, inside
 
 
@@ -75,8 +85,13 @@ class Tensor:
     # Views never change after creation, so their region and start partition are cached.
     __slots__ = ("_buf", "_view", "_dtype", "_indirect", "_region", "_start")
 
-    def __init__(self, buf: Buffer, view: np.ndarray | None = None, dtype: dtypes.DType | None = None,
-                 indirect: Indirect | None = None) -> None:
+    def __init__(
+        self,
+        buf: Buffer,
+        view: np.ndarray | None = None,
+        dtype: dtypes.DType | None = None,
+        indirect: Indirect | None = None,
+    ) -> None:
         self._buf = buf
         self._view = buf.data if view is None else view
         self._dtype = buf.dtype if dtype is None else dtype
@@ -192,8 +207,13 @@ class Tensor:
         """Round ``values`` to this tensor's dtype and store them, shape-matched per partition."""
         values = np.asarray(values)
         if values.size != self.size:
-            raise rule(instruction, "dst", "element count differs from the result",
-                       dst_shape=self.shape, result_shape=values.shape)
+            raise rule(
+                instruction,
+                "dst",
+                "element count differs from the result",
+                dst_shape=self.shape,
+                result_shape=values.shape,
+            )
         if not self._view.flags.writeable:
             raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
         self._view[...] = dtypes.cast(values, self._dtype).reshape(self.shape)
@@ -215,8 +235,12 @@ class Tensor:
     def _direct(self, what: str) -> None:
         """Views of an indirect (vector_offset) access pattern would lose the per-row indices."""
         if self._indirect is not None:
-            raise rule(what, repr(self), "an indirect (vector_offset) access pattern cannot be viewed further; "
-                       "put the whole access in the .ap() pattern")
+            raise rule(
+                what,
+                repr(self),
+                "an indirect (vector_offset) access pattern cannot be viewed further; "
+                "put the whole access in the .ap() pattern",
+            )
 
     def __getitem__(self, key: Any) -> Tensor:
         self._direct("index")
@@ -233,7 +257,7 @@ class Tensor:
         if any(k is Ellipsis for k in key):
             at = next(i for i, k in enumerate(key) if k is Ellipsis)
             fill = self.ndim - (len(key) - 1)
-            key = key[:at] + (slice(None),) * fill + key[at + 1:]
+            key = key[:at] + (slice(None),) * fill + key[at + 1 :]
         if len(key) > self.ndim:
             raise IndexError(f"too many indices for a {self.ndim}-d tensor {list(self.shape)}: {key}")
         out = []
@@ -353,16 +377,23 @@ class Tensor:
 
     def flatten_dims(self, start_dim: int, end_dim: int) -> Tensor:
         """Merge dimensions ``start_dim..end_dim`` (inclusive) into one."""
-        shape = self.shape[:start_dim] + (-1,) + self.shape[end_dim + 1:]
+        shape = self.shape[:start_dim] + (-1,) + self.shape[end_dim + 1 :]
         return self.reshape(shape)
 
     def reshape_dim(self, dim: int, shape: Sequence[int]) -> Tensor:
         """Split dimension ``dim`` into ``shape`` (one entry may be -1)."""
-        return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1:])
+        return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1 :])
 
-    def ap(self, pattern: Sequence[Sequence[int]], offset: int | None = None, *,
-           vector_offset: Tensor | None = None, scalar_offset: Any = None, indirect_dim: int = 0,
-           dtype: Any = None) -> Tensor:
+    def ap(
+        self,
+        pattern: Sequence[Sequence[int]],
+        offset: int | None = None,
+        *,
+        vector_offset: Tensor | None = None,
+        scalar_offset: Any = None,
+        indirect_dim: int = 0,
+        dtype: Any = None,
+    ) -> Tensor:
         """An access pattern straight onto this tensor's allocation: ``[[step, num], ...]``.
 
         Steps and ``offset`` count elements (of ``dtype`` when given, reinterpreting the bits)
@@ -391,7 +422,7 @@ class Tensor:
             here = self._view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
             offset = here // flat.itemsize
         start = int(offset)
-        row = int(np.prod(base_shape[indirect_dim + 1:]))
+        row = int(np.prod(base_shape[indirect_dim + 1 :]))
         if scalar_offset is not None:
             start += _scalar_value(scalar_offset) * row
         if vector_offset is not None:
@@ -402,9 +433,16 @@ class Tensor:
         lo = start + sum(min(0, (n - 1) * st) for st, n in zip(steps, nums))
         hi = start + sum(max(0, (n - 1) * st) for st, n in zip(steps, nums))
         if lo < 0 or hi >= flat.size:
-            raise rule("ap", repr(self), "access pattern reaches outside the allocation",
-                       pattern=[list(p) for p in pattern], offset=start, first=lo, last=hi,
-                       allocation_elements=flat.size)
+            raise rule(
+                "ap",
+                repr(self),
+                "access pattern reaches outside the allocation",
+                pattern=[list(p) for p in pattern],
+                offset=start,
+                first=lo,
+                last=hi,
+                allocation_elements=flat.size,
+            )
         item = flat.itemsize
         view = as_strided(flat[start:], shape=tuple(nums), strides=tuple(st * item for st in steps), writeable=True)
         out = Tensor(self._buf, view, new_dtype)
@@ -417,34 +455,75 @@ class Tensor:
             return
         row = self._buf.partition_bytes
         if self.shape[0] > 1 and self._view.strides[0] != row:
-            raise rule(what, repr(self), "dim 0 of an on-chip view must step exactly one partition",
-                       stride_bytes=self._view.strides[0], partition_bytes=row)
+            raise rule(
+                what,
+                repr(self),
+                "dim 0 of an on-chip view must step exactly one partition",
+                stride_bytes=self._view.strides[0],
+                partition_bytes=row,
+            )
         region = self.region()
         if region.p1 - region.p0 != self.shape[0]:
-            raise rule(what, repr(self), "free dims of an on-chip view spill into other partitions",
-                       shape=list(self.shape), partitions_touched=region.p1 - region.p0)
+            raise rule(
+                what,
+                repr(self),
+                "free dims of an on-chip view spill into other partitions",
+                shape=list(self.shape),
+                partitions_touched=region.p1 - region.p0,
+            )
 
     # -- arithmetic sugar (each is a real instruction, see nki.language) ---------------------
     def _binary(self, other: Any, op: str, reverse: bool = False) -> Tensor:
         fn = getattr(frontend.language(), op)
         return fn(other, self) if reverse else fn(self, other)
 
-    def __add__(self, o): return self._binary(o, "add")
-    def __radd__(self, o): return self._binary(o, "add", True)
-    def __sub__(self, o): return self._binary(o, "subtract")
-    def __rsub__(self, o): return self._binary(o, "subtract", True)
-    def __mul__(self, o): return self._binary(o, "multiply")
-    def __rmul__(self, o): return self._binary(o, "multiply", True)
-    def __truediv__(self, o): return self._binary(o, "divide")
-    def __rtruediv__(self, o): return self._binary(o, "divide", True)
-    def __pow__(self, o): return self._binary(o, "power")
-    def __lt__(self, o): return self._binary(o, "less")
-    def __le__(self, o): return self._binary(o, "less_equal")
-    def __gt__(self, o): return self._binary(o, "greater")
-    def __ge__(self, o): return self._binary(o, "greater_equal")
-    def __and__(self, o): return self._binary(o, "bitwise_and")
-    def __or__(self, o): return self._binary(o, "bitwise_or")
-    def __xor__(self, o): return self._binary(o, "bitwise_xor")
+    def __add__(self, o):
+        return self._binary(o, "add")
+
+    def __radd__(self, o):
+        return self._binary(o, "add", True)
+
+    def __sub__(self, o):
+        return self._binary(o, "subtract")
+
+    def __rsub__(self, o):
+        return self._binary(o, "subtract", True)
+
+    def __mul__(self, o):
+        return self._binary(o, "multiply")
+
+    def __rmul__(self, o):
+        return self._binary(o, "multiply", True)
+
+    def __truediv__(self, o):
+        return self._binary(o, "divide")
+
+    def __rtruediv__(self, o):
+        return self._binary(o, "divide", True)
+
+    def __pow__(self, o):
+        return self._binary(o, "power")
+
+    def __lt__(self, o):
+        return self._binary(o, "less")
+
+    def __le__(self, o):
+        return self._binary(o, "less_equal")
+
+    def __gt__(self, o):
+        return self._binary(o, "greater")
+
+    def __ge__(self, o):
+        return self._binary(o, "greater_equal")
+
+    def __and__(self, o):
+        return self._binary(o, "bitwise_and")
+
+    def __or__(self, o):
+        return self._binary(o, "bitwise_or")
+
+    def __xor__(self, o):
+        return self._binary(o, "bitwise_xor")
 
     def __neg__(self):
         return frontend.language().negative(self)
@@ -485,9 +564,7 @@ def _checked_slice(k: slice, n: int, dim: int, tensor: Tensor) -> slice:
     if stop < 0:
         stop += n
     if not (0 <= start <= n and 0 <= stop <= n):
-        raise IndexError(
-            f"slice {start}:{stop} is out of bounds for dim {dim} of size {n} in {tensor!r}"
-        )
+        raise IndexError(f"slice {start}:{stop} is out of bounds for dim {dim} of size {n} in {tensor!r}")
     return slice(start, max(start, stop), step)
 
 

@@ -14,8 +14,11 @@ def test_calibration_ranks_the_stages_and_lands_within_35_percent():
         assert 0.65 <= row["ratio"] <= 1.35, row
 
 
-@pytest.mark.parametrize("stage, shape", [(s, (512, 2048, 4096)) for s in STAGES[:3]] + [(STAGES[3], (4096, 2048, 2048))],
-                         ids=[s.name for s in STAGES])
+@pytest.mark.parametrize(
+    "stage, shape",
+    [(s, (512, 2048, 4096)) for s in STAGES[:3]] + [(STAGES[3], (4096, 2048, 2048))],
+    ids=[s.name for s in STAGES],
+)
 def test_slicing_and_scaling_matches_modelling_the_whole_problem(stage, shape):
     whole = model_stage(stage, *shape, whole=True)
     sliced = model_stage(stage, *shape)

@@ -33,9 +33,9 @@ def stream_single_buffer(x):
     buf = nl.ndarray((128, cols), x.dtype, buffer=nl.sbuf)
     res = nl.ndarray((128, cols), x.dtype, buffer=nl.sbuf)
     for r in range(rows // 128):
-        nisa.dma_copy(dst=buf, src=x[r * 128:(r + 1) * 128, :])
+        nisa.dma_copy(dst=buf, src=x[r * 128 : (r + 1) * 128, :])
         nisa.activation(dst=res, op=nl.exp, data=buf)
-        nisa.dma_copy(dst=out[r * 128:(r + 1) * 128, :], src=res)
+        nisa.dma_copy(dst=out[r * 128 : (r + 1) * 128, :], src=res)
     return out
 
 
@@ -48,9 +48,9 @@ def stream_double_buffer(x):
     ress = [nl.ndarray((128, cols), x.dtype, buffer=nl.sbuf) for _ in range(2)]
     for r in range(rows // 128):
         buf, res = bufs[r % 2], ress[r % 2]
-        nisa.dma_copy(dst=buf, src=x[r * 128:(r + 1) * 128, :])
+        nisa.dma_copy(dst=buf, src=x[r * 128 : (r + 1) * 128, :])
         nisa.activation(dst=res, op=nl.exp, data=buf)
-        nisa.dma_copy(dst=out[r * 128:(r + 1) * 128, :], src=res)
+        nisa.dma_copy(dst=out[r * 128 : (r + 1) * 128, :], src=res)
     return out
 
 
@@ -206,8 +206,20 @@ def test_report_renders_as_a_table_labelled_modelled():
     text = str(report)
     assert "modelled (Trn2 estimate)" in text and "not a measurement" in text
     assert "critical path" in text and "roofline" in text
-    fields = ("time_us", "roofline_us", "critical_path", "engine_busy_us", "flops", "tflops", "pct_tensor_peak",
-              "hbm_bytes", "hbm_gbps", "pct_hbm_peak", "sbuf_peak_bytes", "psum_peak_bytes")
+    fields = (
+        "time_us",
+        "roofline_us",
+        "critical_path",
+        "engine_busy_us",
+        "flops",
+        "tflops",
+        "pct_tensor_peak",
+        "hbm_bytes",
+        "hbm_gbps",
+        "pct_hbm_peak",
+        "sbuf_peak_bytes",
+        "psum_peak_bytes",
+    )
     assert all(hasattr(report, f) for f in fields)
     path = report.critical_path
     assert path and path[-1].end_us == pytest.approx(report.time_us)

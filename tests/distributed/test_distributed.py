@@ -33,8 +33,9 @@ def two_ranks(tmp_path_factory):
     return _spawn(tmp_path_factory, 2, ["ddp", "fsdp2", "torch_tp", "sequence_parallel", "transformers_tp"])
 
 
-def _check(result: dict, kernels=("flash_attn_bwd", "flash_attn_fwd", "mlp_bwd", "mlp_fwd", "rmsnorm_bwd",
-                                  "rmsnorm_fwd")) -> None:
+def _check(
+    result: dict, kernels=("flash_attn_bwd", "flash_attn_fwd", "mlp_bwd", "mlp_fwd", "rmsnorm_bwd", "rmsnorm_fwd")
+) -> None:
     assert "error" not in result, result.get("error")
     assert result["smallest_grad"] > 0, "a reference gradient is zero: the comparison would prove less"
     assert result["loss_error"] < 1e-5, result

@@ -19,8 +19,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, vocab_size=64, use_cache=False)
+CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=64,
+    use_cache=False,
+)
 BATCH, SEQ = 4, 16
 
 
@@ -62,15 +70,22 @@ def compare(got: tuple, want: tuple) -> dict:
     loss, grads, kernels = got
     ref_loss, ref_grads, _ = want
     assert grads.keys() == ref_grads.keys(), set(grads) ^ set(ref_grads)
-    return {"loss": loss, "loss_error": abs(loss - ref_loss), "kernels": kernels,
-            "grad_error": max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads),
-            "smallest_grad": min(float(ref_grads[n].abs().max()) for n in ref_grads)}
+    return {
+        "loss": loss,
+        "loss_error": abs(loss - ref_loss),
+        "kernels": kernels,
+        "grad_error": max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads),
+        "smallest_grad": min(float(ref_grads[n].abs().max()) for n in ref_grads),
+    }
 
 
 def report(model: torch.nn.Module) -> dict:
     rows = model.kernels_neuron_report
-    return {"swapped": [r.path for r in rows.swapped], "fallbacks": {r.path: r.reason for r in rows.fallbacks},
-            "call_time_fallbacks": {r.path: r.call_time_fallback for r in rows.call_time_fallbacks}}
+    return {
+        "swapped": [r.path for r in rows.swapped],
+        "fallbacks": {r.path: r.reason for r in rows.fallbacks},
+        "call_time_fallbacks": {r.path: r.call_time_fallback for r in rows.call_time_fallbacks},
+    }
 
 
 def kernelize(model: torch.nn.Module) -> torch.nn.Module:
@@ -103,9 +118,15 @@ def fsdp2(rank: int, world: int, model_dir: str) -> dict:
 def _torch_tp_plan():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    return {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
 
 
 def torch_tp(rank: int, world: int, model_dir: str) -> dict:
@@ -131,8 +152,11 @@ def sequence_parallel(rank: int, world: int, model_dir: str) -> dict:
 
     reference = tiny("Llama").model.layers[0].mlp
     mlp = tiny("Llama").model.layers[0].mlp
-    plan = {"gate_proj": ColwiseParallel(input_layouts=Shard(1)), "up_proj": ColwiseParallel(input_layouts=Shard(1)),
-            "down_proj": RowwiseParallel(output_layouts=Shard(1))}
+    plan = {
+        "gate_proj": ColwiseParallel(input_layouts=Shard(1)),
+        "up_proj": ColwiseParallel(input_layouts=Shard(1)),
+        "down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
     parallelize_module(mlp, init_device_mesh("cpu", (world,)), plan)
     kernelize(mlp)
     x = torch.randn(2, SEQ, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(2))
@@ -147,8 +171,9 @@ def transformers_tp(rank: int, world: int, model_dir: str) -> dict:
     from transformers.distributed import DistributedConfig
 
     want = step(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train(), batch())
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 distributed_config=DistributedConfig(tp_size=world)).train()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=world)
+    ).train()
     kernelize(model)
     return {**compare(step(model, batch()), want), **report(model)}
 
@@ -172,8 +197,14 @@ def fsdp2_tp(rank: int, world: int, model_dir: str) -> dict:
     return {**compare(got, want), **report(model)}
 
 
-SCENARIOS = {"ddp": ddp, "fsdp2": fsdp2, "torch_tp": torch_tp, "sequence_parallel": sequence_parallel,
-             "transformers_tp": transformers_tp, "fsdp2_tp": fsdp2_tp}
+SCENARIOS = {
+    "ddp": ddp,
+    "fsdp2": fsdp2,
+    "torch_tp": torch_tp,
+    "sequence_parallel": sequence_parallel,
+    "transformers_tp": transformers_tp,
+    "fsdp2_tp": fsdp2_tp,
+}
 
 
 def run(rank: int, world: int, port: int, scenarios: list[str], out: str, model_dir: str) -> None:

@@ -22,6 +22,7 @@ PYTHON_DEPENDS = json.loads((Path(sys.modules["kernels"].__file__).parent / "pyt
 
 # --- freshness ----------------------------------------------------------------------------------------
 
+
 def test_build_check_passes_on_the_committed_build(capsys):
     assert hub.stale() == []
     assert cli.main(["build", "--check"]) == 0
@@ -54,11 +55,16 @@ def test_write_reproduces_the_tree_and_stale_reports_every_kind_of_difference(tm
     (out / "lib").mkdir()  # not a repo folder (setuptools' scratch, a user's notes): neither checked nor touched
     (out / "lib/module.py").write_text("kept")
     (out / "NOTES.md").write_text("kept")
-    assert hub.stale(out) == ["+ nki-sim/build/torch-cpu/isa.py", "- neuron-rmsnorm/build/torch-cpu/extra.py",
-                              "~ neuron-rmsnorm/build/torch-cpu/layers.py"]
+    assert hub.stale(out) == [
+        "+ nki-sim/build/torch-cpu/isa.py",
+        "- neuron-rmsnorm/build/torch-cpu/extra.py",
+        "~ neuron-rmsnorm/build/torch-cpu/layers.py",
+    ]
     with pytest.raises(build.UnknownFilesError, match="neuron-rmsnorm/build/torch-cpu/extra.py.*--prune"):
         hub.write(out)  # refused before anything is written
-    assert (out / "neuron-rmsnorm/build/torch-cpu/extra.py").exists() and not (out / "nki-sim/build/torch-cpu/isa.py").exists()
+    assert (out / "neuron-rmsnorm/build/torch-cpu/extra.py").exists() and not (
+        out / "nki-sim/build/torch-cpu/isa.py"
+    ).exists()
     hub.write(out, prune=True)
     assert hub.stale(out) == []
     assert not (out / "neuron-rmsnorm/build/torch-cpu/extra.py").exists()
@@ -71,10 +77,11 @@ def test_the_build_is_deterministic():
 
 # --- metadata.json ------------------------------------------------------------------------------------
 
+
 def test_every_repo_has_its_variants():
     assert [p.relative_to(build.BUILD_DIR).as_posix() for p in VARIANT_DIRS] == sorted(
-        [f"{name}/build/torch-cpu" for name in REGISTRY.repos]
-        + [f"{name}/build/torch-neuron" for name in KERNEL_REPOS])
+        [f"{name}/build/torch-cpu" for name in REGISTRY.repos] + [f"{name}/build/torch-neuron" for name in KERNEL_REPOS]
+    )
 
 
 @pytest.mark.parametrize("variant_dir", VARIANT_DIRS, ids=lambda p: p.relative_to(build.BUILD_DIR).as_posix())
@@ -97,8 +104,9 @@ def test_metadata_meets_the_kernels_contract(variant_dir):
     allowed = {*PYTHON_DEPENDS["general"], *PYTHON_DEPENDS["backends"][backend]}
     assert set(data["python-depends"]) <= allowed  # what the kernels library lets that backend declare
     if backend == "cpu" and repo.kind == "kernel":
-        assert data["kernel-depends"] == [{"repo-id": REGISTRY.repo_id("nki-sim"),
-                                           "version": REGISTRY.repos["nki-sim"].version}]
+        assert data["kernel-depends"] == [
+            {"repo-id": REGISTRY.repo_id("nki-sim"), "version": REGISTRY.repos["nki-sim"].version}
+        ]
     else:
         assert "kernel-depends" not in data
 
@@ -115,8 +123,11 @@ def test_digest_is_what_the_kernels_library_computes(variant_dir):
     data = json.loads((variant_dir / "metadata.json").read_text())
     assert data["digest"]["algorithm"] == "sha256"
     assert data["digest"]["files"] == Digest.hash_variant(DigestAlgorithm.SHA256, variant_dir).files
-    shipped = {p.relative_to(variant_dir).as_posix() for p in variant_dir.rglob("*")
-               if p.is_file() and "__pycache__" not in p.parts and p.name != "metadata.json"}
+    shipped = {
+        p.relative_to(variant_dir).as_posix()
+        for p in variant_dir.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.name != "metadata.json"
+    }
     assert set(data["digest"]["files"]) == shipped
 
 
@@ -135,15 +146,17 @@ def _import_problems(variant_dir: Path) -> list[str]:
         package = [part for part in path.relative_to(variant_dir).parent.parts if part != "."]
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
-                base = package[:len(package) - node.level + 1]
+                base = package[: len(package) - node.level + 1]
                 target = [*base, *(node.module.split(".") if node.module else [])]
                 names = ["/".join(target)] if node.module else ["/".join([*target, a.name]) for a in node.names]
-                problems += [f"{where}: .{name}" for name in names
-                             if name not in shipped and f"{name}/__init__" not in shipped]
+                problems += [
+                    f"{where}: .{name}" for name in names if name not in shipped and f"{name}/__init__" not in shipped
+                ]
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
-                problems += [f"{where}: {m}" for m in modules
-                             if m.split(".")[0] not in sys.stdlib_module_names | THIRD_PARTY]
+                problems += [
+                    f"{where}: {m}" for m in modules if m.split(".")[0] not in sys.stdlib_module_names | THIRD_PARTY
+                ]
     return problems
 
 
@@ -157,11 +170,15 @@ def test_the_import_check_catches_a_missing_file_and_a_checkout_import(tmp_path)
     (tmp_path / "__init__.py").write_text("from . import layers\nfrom .sub import attr\nfrom .gone import y\n")
     (tmp_path / "layers.py").write_text("import kernels_neuron.ops\nimport torch, os\n")
     (tmp_path / "sub" / "__init__.py").write_text("from ..layers import x\nfrom .. import missing\n")
-    assert _import_problems(tmp_path) == ["__init__.py: .gone", "layers.py: kernels_neuron.ops",
-                                          "sub/__init__.py: .missing"]
+    assert _import_problems(tmp_path) == [
+        "__init__.py: .gone",
+        "layers.py: kernels_neuron.ops",
+        "sub/__init__.py: .missing",
+    ]
 
 
 # --- model cards ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("repo_name", sorted(REGISTRY.repos))
 def test_model_card(repo_name):
@@ -188,16 +205,25 @@ def test_model_card(repo_name):
 
 # --- registry: attention entries and qualified exports ------------------------------------------------------
 
-@pytest.mark.parametrize("change, match", [
-    ({"name": "neuron_flash"}, "must not contain 'flash'"),
-    ({"repo": "nope"}, "repo 'nope' is not defined"),
-    ({"function": "not_exported"}, "function 'not_exported' is not among the exports"),
-    ({"modes": ["inference", "fast"]}, "unknown modes"),
-])
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"name": "neuron_flash"}, "must not contain 'flash'"),
+        ({"repo": "nope"}, "repo 'nope' is not defined"),
+        ({"function": "not_exported"}, "function 'not_exported' is not among the exports"),
+        ({"modes": ["inference", "fast"]}, "unknown modes"),
+    ],
+)
 def test_registry_checks_attention_entries(change, match, tmp_path):
     text = registry_module.REGISTRY_PATH.read_text()
-    entry = {"name": "kernels_neuron_attention", "repo": "neuron-flash-attn", "function": "flash_attn_forward",
-             "modes": ["inference"], **change}
+    entry = {
+        "name": "kernels_neuron_attention",
+        "repo": "neuron-flash-attn",
+        "function": "flash_attn_forward",
+        "modes": ["inference"],
+        **change,
+    }
     start = text.index("[[attention]]")
     body = "".join(f"{key} = {json.dumps(value)}\n" for key, value in entry.items())
     (tmp_path / "registry.toml").write_text(text[:start] + "[[attention]]\n" + body)

@@ -28,8 +28,16 @@ RMSNORM_CPU = Path("neuron-rmsnorm/build/torch-cpu")
 def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=32)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=32,
+        )
+    ).eval()
 
 
 def _copy_build(tmp_path) -> Path:
@@ -50,7 +58,10 @@ TAMPERING = {
     "edited": (lambda variant: _one_percent_off(variant / "rmsnorm.py"), "File hash mismatch for rmsnorm.py"),
     "truncated": (lambda variant: (variant / "layers.py").write_bytes(b""), "File hash mismatch for layers.py"),
     "missing": (lambda variant: (variant / "_backend.py").unlink(), "Missing file: _backend.py"),
-    "extra": (lambda variant: (variant / "sitecustomize.py").write_text("import os\n"), "Unknown file: sitecustomize.py"),
+    "extra": (
+        lambda variant: (variant / "sitecustomize.py").write_text("import os\n"),
+        "Unknown file: sitecustomize.py",
+    ),
 }
 
 
@@ -88,17 +99,22 @@ def test_a_tampered_installed_file_is_refused_by_get_kernel(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LOCAL_KERNELS", "KERNELS_"))}
     env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home"))
     code = "import kernels; kernels.get_kernel('kernels-neuron/neuron-rmsnorm', version=1)"
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode != 0
     assert "KernelIntegrityError" in done.stderr and "File hash mismatch for rmsnorm.py" in done.stderr
 
 
 # --- install: idempotent, repairing, atomic, concurrent --------------------------------------------------
 
+
 def _state(cache: Path) -> dict:
-    return {p.relative_to(cache).as_posix(): (p.stat().st_ino, p.stat().st_mtime_ns)
-            for p in cache.rglob("*") if p.is_file() and ".locks" not in p.parts}
+    return {
+        p.relative_to(cache).as_posix(): (p.stat().st_ino, p.stat().st_mtime_ns)
+        for p in cache.rglob("*")
+        if p.is_file() and ".locks" not in p.parts
+    }
 
 
 def test_installing_again_rewrites_nothing_and_repairs_a_damaged_snapshot(tmp_path):
@@ -165,18 +181,23 @@ def test_eight_concurrent_installs_succeed_and_a_reader_never_sees_a_partial_sna
 
 # --- a stale build/ and names that escape their folders ------------------------------------------------------
 
+
 def test_kernelize_warns_when_build_is_stale(stale_nki_src, monkeypatch):
     monkeypatch.setattr(loading, "_checked", {})
     with pytest.warns(UserWarning, match=r"build/ is stale \(4 files differ.* run `kernels-neuron build`"):
         kernels_neuron.kernelize(_tiny_llama(), device="neuron", attention=False, mlp=False)
 
 
-@pytest.mark.parametrize("org, repo, match", [
-    ("kernels-neuron", "../outside", "not a valid Hub repo id"),
-    ("../up", "neuron-rmsnorm", "not a valid Hub repo id"),
-    ("kernels-neuron", "a..b", "not a valid Hub repo id"),
-    ("kernels-neuron", "Neuron_RMSNorm", "not a valid kernel name"),
-], ids=["repo-dotdot", "org-dotdot", "double-dot", "not-a-kernel-name"])
+@pytest.mark.parametrize(
+    "org, repo, match",
+    [
+        ("kernels-neuron", "../outside", "not a valid Hub repo id"),
+        ("../up", "neuron-rmsnorm", "not a valid Hub repo id"),
+        ("kernels-neuron", "a..b", "not a valid Hub repo id"),
+        ("kernels-neuron", "Neuron_RMSNorm", "not a valid kernel name"),
+    ],
+    ids=["repo-dotdot", "org-dotdot", "double-dot", "not-a-kernel-name"],
+)
 def test_registry_names_that_would_escape_their_folders_are_refused(tmp_path, org, repo, match):
     text = textwrap.dedent(f"""
         [hub]

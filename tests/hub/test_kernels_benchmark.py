@@ -17,10 +17,16 @@ KERNELS_CLI = "import sys; from kernels.cli import main; sys.argv[0] = 'kernels'
 
 REPO_WORKLOADS = {
     "neuron-rmsnorm": {"RMSNormBenchmark.llama", "RMSNormBenchmark.gemma"},
-    "neuron-flash-attn": {"FlashAttnBenchmark.causal_prefill", "FlashAttnBenchmark.sliding_window",
-                          "FlashAttnBenchmark.decode"},
-    "neuron-mlp": {"GatedMLPBenchmark.swiglu_prefill", "GatedMLPBenchmark.geglu_prefill",
-                   "GatedMLPBenchmark.swiglu_decode"},
+    "neuron-flash-attn": {
+        "FlashAttnBenchmark.causal_prefill",
+        "FlashAttnBenchmark.sliding_window",
+        "FlashAttnBenchmark.decode",
+    },
+    "neuron-mlp": {
+        "GatedMLPBenchmark.swiglu_prefill",
+        "GatedMLPBenchmark.geglu_prefill",
+        "GatedMLPBenchmark.swiglu_decode",
+    },
 }
 
 
@@ -29,11 +35,31 @@ def test_kernels_benchmark_runs_and_verifies_offline(repo, tmp_path):
     reg = registry_module.load()
     out = tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LOCAL_KERNELS", "KERNELS_"))}
-    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1",
-               LOCAL_KERNELS=f"{reg.repo_id('nki-sim')}={build.BUILD_DIR / 'nki-sim'}")
-    done = subprocess.run([sys.executable, "-c", KERNELS_CLI, "benchmark", f"./build/{repo}",
-                           "--iterations", "2", "--warmup", "1", "--output", str(out)],
-                          cwd=paths.DATA_DIR, env=env, capture_output=True, text=True, timeout=300)
+    env.update(
+        HF_HOME=str(tmp_path / "hf-home"),
+        HF_HUB_OFFLINE="1",
+        LOCAL_KERNELS=f"{reg.repo_id('nki-sim')}={build.BUILD_DIR / 'nki-sim'}",
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            KERNELS_CLI,
+            "benchmark",
+            f"./build/{repo}",
+            "--iterations",
+            "2",
+            "--warmup",
+            "1",
+            "--output",
+            str(out),
+        ],
+        cwd=paths.DATA_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert {r["workload"] for r in results} >= REPO_WORKLOADS[repo]

@@ -54,8 +54,11 @@ LOAD_AND_RUN = textwrap.dedent(f"""
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The current environment without anything that steers HF or the kernels library, offline,
     with an empty HF home of its own; then ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HF_", "HUGGINGFACE_", "LOCAL_KERNELS", "KERNELS_", "DISABLE_KERNEL_MAPPING"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "HUGGINGFACE_", "LOCAL_KERNELS", "KERNELS_", "DISABLE_KERNEL_MAPPING"))
+    }
     env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1", **extra)
     return env
 
@@ -98,6 +101,7 @@ def _assert_installed(cache: Path) -> None:
 
 # --- (a) LOCAL_KERNELS ----------------------------------------------------------------------------------
 
+
 def test_get_kernel_through_local_kernels(tmp_path):
     result = _load(_env(tmp_path, LOCAL_KERNELS=_local_kernels("neuron-rmsnorm", "nki-sim")), tmp_path)
     _assert_loaded_and_correct(result, build.BUILD_DIR / "neuron-rmsnorm" / "build" / "torch-cpu")
@@ -105,10 +109,12 @@ def test_get_kernel_through_local_kernels(tmp_path):
 
 # --- (b) install, then the kernels library's ordinary offline Hub path -----------------------------------
 
+
 def test_install_then_get_kernel_offline_from_the_hf_cache(tmp_path):
     cache = tmp_path / "cache"
-    done = _run([sys.executable, "-m", "kernels_neuron.cli", "install", "--cache", str(cache)], _env(tmp_path),
-                tmp_path)
+    done = _run(
+        [sys.executable, "-m", "kernels_neuron.cli", "install", "--cache", str(cache)], _env(tmp_path), tmp_path
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert RMSNORM in done.stdout and NKI_SIM in done.stdout
     _assert_installed(cache)
@@ -141,6 +147,7 @@ def test_default_cache_follows_the_kernels_library(monkeypatch, tmp_path):
 
 # --- (c) install refuses a stale build --------------------------------------------------------------------
 
+
 def test_install_refuses_a_stale_build(stale_nki_src, tmp_path, capsys):
     cache = tmp_path / "cache"
     assert cli.main(["install", "--cache", str(cache)]) == 1
@@ -165,6 +172,7 @@ def test_install_names_the_stale_file(tmp_path):
 
 # --- (d) the simulator dependency must resolve ----------------------------------------------------------
 
+
 def test_loading_without_nki_sim_fails_naming_it(tmp_path):
     code = textwrap.dedent(f"""
         import kernels
@@ -182,6 +190,7 @@ def test_loading_without_nki_sim_fails_naming_it(tmp_path):
 
 
 # --- (e) kernels-neuron list ------------------------------------------------------------------------------
+
 
 def test_list_names_every_layer_up_to_date(capsys):
     assert cli.main(["list"]) == 0
@@ -279,8 +288,11 @@ def test_sim_capture_sees_launches_of_kernels_loaded_before_kernels_neuron():
         print(json.dumps({{"launches": len(traces), "kernel": traces[0].kernel if traces else None,
                            "nki_is_the_hub_copy": not nki.__name__.startswith("kernels_neuron")}}))
     """)
-    done = _run([sys.executable, "-c", code], _env(Path(os.environ.get("TMPDIR", "/tmp")),
-                LOCAL_KERNELS=_local_kernels("neuron-rmsnorm", "nki-sim")), Path.cwd())
+    done = _run(
+        [sys.executable, "-c", code],
+        _env(Path(os.environ.get("TMPDIR", "/tmp")), LOCAL_KERNELS=_local_kernels("neuron-rmsnorm", "nki-sim")),
+        Path.cwd(),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"launches": 1, "kernel": "rmsnorm_fwd", "nki_is_the_hub_copy": True}

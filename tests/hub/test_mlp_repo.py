@@ -47,8 +47,11 @@ LOAD_AND_RUN = textwrap.dedent(f"""
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HF_", "HUGGINGFACE_", "LOCAL_KERNELS", "KERNELS_", "DISABLE_KERNEL_MAPPING"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "HUGGINGFACE_", "LOCAL_KERNELS", "KERNELS_", "DISABLE_KERNEL_MAPPING"))
+    }
     env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1", **extra)
     return env
 
@@ -65,8 +68,9 @@ def test_mlp_repo_loads_offline_and_runs(route, tmp_path):
         env = _env(tmp_path, HF_HUB_CACHE=str(cache))
         root = cache / f"kernels--{REGISTRY.org}--neuron-mlp"
         variant_dir = root / "snapshots" / (root / "refs" / "v1").read_text() / "build" / "torch-cpu"
-    done = subprocess.run([sys.executable, "-c", LOAD_AND_RUN], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_RUN], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["name"].startswith("_neuron_mlp_cpu_")

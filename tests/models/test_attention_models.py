@@ -91,6 +91,7 @@ def attention_launches(traces):
 
 # --- inference ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_logits_match_the_models_own_attention_with_and_without_left_padding(arch, route):
@@ -137,6 +138,7 @@ def test_bf16_logits_within_twice_torchs_own_bf16_error(arch, route):
 
 # --- training -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_training_loss_and_gradients_match(arch, route):
@@ -161,8 +163,10 @@ def test_training_loss_and_gradients_match(arch, route):
 
 # --- the features matter, and a missing mask registration would be caught ----------------------------------
 
-@pytest.mark.parametrize("arch, change", [("mistral", {"sliding_window": None}),
-                                          ("gemma2", {"attn_logit_softcapping": None})])
+
+@pytest.mark.parametrize(
+    "arch, change", [("mistral", {"sliding_window": None}), ("gemma2", {"attn_logit_softcapping": None})]
+)
 def test_window_and_softcap_change_these_tiny_models_logits(arch, change):
     """Negative control: a kernel that ignored the window or the softcap would fail the logits test."""
     ids = input_ids()
@@ -184,6 +188,7 @@ def test_without_the_mask_registration_padded_batches_would_be_wrong(monkeypatch
 
 
 # --- kernelize: the report and fallbacks --------------------------------------------------------------------
+
 
 def test_kernelize_reports_every_attention_module():
     model = kernels_neuron.kernelize(reference("qwen3"), device="neuron")
@@ -234,9 +239,18 @@ def test_attention_dropout_in_training_keeps_the_models_own_attention():
 
 def test_attention_sinks_keep_gpt_oss_own_attention():
     """GPT-OSS's attention sinks are an architecture feature the kernel lacks: fallback, logits intact."""
-    config = transformers.GptOssConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                       intermediate_size=256, num_hidden_layers=2, vocab_size=128,
-                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=6)
+    config = transformers.GptOssConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        vocab_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+    )
     torch.manual_seed(0)
     own = transformers.GptOssForCausalLM(config).eval()
     model = kernels_neuron.kernelize(copy.deepcopy(own), device="neuron")
@@ -244,8 +258,11 @@ def test_attention_sinks_keep_gpt_oss_own_attention():
     assert [r.reason for r in rows] == ["attention sinks (s_aux) are not supported"] * 2
     ids, mask = left_padded()
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, attention_mask=mask).logits[mask.bool()],
-                                   own(ids, attention_mask=mask).logits[mask.bool()], **TOL)
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).logits[mask.bool()],
+            own(ids, attention_mask=mask).logits[mask.bool()],
+            **TOL,
+        )
 
 
 def test_kernelized_model_compiles_without_graph_breaks():
@@ -263,6 +280,7 @@ def test_kernelized_model_compiles_without_graph_breaks():
 
 
 # --- the attn_implementation routes -------------------------------------------------------------------------
+
 
 def test_from_pretrained_with_the_hub_repo_and_with_the_registered_name(tmp_path):
     own = reference("qwen3")
@@ -290,7 +308,9 @@ def test_the_hub_name_is_a_flash_request_and_runs_the_flash_path():
     assert ALL_MASK_ATTENTION_FUNCTIONS[HUB] is ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
     ids, mask = left_padded()
     calls = []
-    kernel = sys.modules[next(name for name in sys.modules if name.startswith("_neuron_flash_attn_") and "." not in name)]
+    kernel = sys.modules[
+        next(name for name in sys.modules if name.startswith("_neuron_flash_attn_") and "." not in name)
+    ]
     real = transformers.modeling_flash_attention_utils._flash_varlen_fn
     assert real is kernel.flash_attn_varlen_func
     transformers.modeling_flash_attention_utils._flash_varlen_fn = lambda *a, **k: calls.append(k) or real(*a, **k)
@@ -323,8 +343,9 @@ def test_a_model_with_its_own_flash_kernels_replaces_the_hub_name(tmp_path):
     kernel, not ours). kernelize's name has no "flash" and is left alone (see the sinks test above)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KERNELS_"))}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
-    done = subprocess.run([sys.executable, "-c", _COMPATIBLE_FLASH, HUB], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPATIBLE_FLASH, HUB], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     compatible = transformers.GptOssForCausalLM._compatible_flash_implementations

@@ -39,6 +39,7 @@ def _kernelize(model, **kwargs):
 
 # --- modes --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("training, expected", [(False, "inference"), (True, "training")])
 def test_mode_none_follows_model_training(training, expected):
     model = _kernelize(build_tiny("llama").train(training))
@@ -46,16 +47,20 @@ def test_mode_none_follows_model_training(training, expected):
     assert len(model.kernels_neuron_report.swapped) == 5
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("inference", "inference"),
-    ("training", "training"),
-    ("inference+torch.compile", "inference+torch.compile"),
-    ("training+torch.compile", "training+torch.compile"),
-    (" Training | torch.compile ", "training+torch.compile"),
-    (Mode.INFERENCE, "inference"),
-    (Mode.TRAINING, "training"),
-    (Mode.INFERENCE | Mode.TORCH_COMPILE, "inference+torch.compile"),
-], ids=str)
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("inference", "inference"),
+        ("training", "training"),
+        ("inference+torch.compile", "inference+torch.compile"),
+        ("training+torch.compile", "training+torch.compile"),
+        (" Training | torch.compile ", "training+torch.compile"),
+        (Mode.INFERENCE, "inference"),
+        (Mode.TRAINING, "training"),
+        (Mode.INFERENCE | Mode.TORCH_COMPILE, "inference+torch.compile"),
+    ],
+    ids=str,
+)
 def test_explicit_modes(mode, expected):
     model = _kernelize(build_tiny("llama"), mode=mode)  # an eval model: the explicit mode wins
     report = model.kernels_neuron_report
@@ -89,9 +94,11 @@ def test_a_non_module_is_a_type_error(not_a_model):
 
 # --- constraints and the report -----------------------------------------------------------------------
 
+
 def test_a_hidden_size_below_the_kernels_range_keeps_its_own_forward():
-    model = build_tiny("llama", hidden_size=32, head_dim=16, num_attention_heads=2, num_key_value_heads=1,
-                       intermediate_size=64)
+    model = build_tiny(
+        "llama", hidden_size=32, head_dim=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64
+    )
     reference = copy.deepcopy(model)
     _kernelize(model)
     report = model.kernels_neuron_report
@@ -133,6 +140,7 @@ def test_the_report_prints_as_a_table():
 
 # --- torch.compile ------------------------------------------------------------------------------------
 
+
 def test_compiled_kernelized_model_has_no_graph_breaks_and_matches_eager():
     model = build_tiny("llama")
     reference = copy.deepcopy(model)
@@ -151,6 +159,7 @@ def test_compiled_kernelized_model_has_no_graph_breaks_and_matches_eager():
 
 
 # --- transformers' own route --------------------------------------------------------------------------
+
 
 def test_use_kernels_true_picks_up_the_registered_mapping(tmp_path):
     original = build_tiny("llama")
@@ -202,15 +211,26 @@ def test_use_kernels_true_maps_each_class_like_kernelize(tmp_path):
     (not tagged) gets GemmaRMSNorm, and a hidden size outside the kernel's range keeps its forward
     (instead of failing in the kernel); bf16 logits round like the plain model's."""
     paths = {}
-    for name, arch, overrides in [("olmo2", "olmo2", {}), ("gemma", "gemma", {}),
-                                  ("llama32", "llama", dict(hidden_size=32, head_dim=16, num_attention_heads=2,
-                                                            num_key_value_heads=1, intermediate_size=64))]:
+    for name, arch, overrides in [
+        ("olmo2", "olmo2", {}),
+        ("gemma", "gemma", {}),
+        (
+            "llama32",
+            "llama",
+            dict(hidden_size=32, head_dim=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
+        ),
+    ]:
         paths[name] = str(tmp_path / name)
         build_tiny(arch, **overrides).to(torch.bfloat16).save_pretrained(paths[name])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LOCAL_KERNELS", "KERNELS_CACHE"))}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
-    done = subprocess.run([sys.executable, "-c", _USE_KERNELS_IN_A_FRESH_PROCESS, json.dumps(paths)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _USE_KERNELS_IN_A_FRESH_PROCESS, json.dumps(paths)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["imported_before"] == []
@@ -223,6 +243,7 @@ def test_use_kernels_true_maps_each_class_like_kernelize(tmp_path):
 
 
 # --- side effects -------------------------------------------------------------------------------------
+
 
 def test_kernelize_leaves_no_handler_on_the_root_logger():
     root = logging.getLogger()
@@ -241,6 +262,7 @@ def test_kernelize_leaves_no_handler_on_the_root_logger():
 
 # --- arguments and models kernelize has nothing for ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("device", ["nueron", "cuda", "Neuron", 3])
 def test_an_unknown_device_is_a_clear_error(device):
     with pytest.raises(ValueError, match=rf"device {device!r} is not one kernels-neuron serves; use 'neuron'"):
@@ -250,14 +272,22 @@ def test_an_unknown_device_is_a_clear_error(device):
 def test_modules_of_kinds_the_hub_has_no_kernel_for_are_reported():
     """Falcon (new decoder): LayerNorms, a non-gated MLP and an attention module kernelize cannot route; the
     report lists each with why, rather than an empty "0 swapped, 0 kept"."""
-    config = transformers.FalconConfig(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
-                                       new_decoder_architecture=True, num_kv_heads=2)
+    config = transformers.FalconConfig(
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=64,
+        new_decoder_architecture=True,
+        num_kv_heads=2,
+    )
     model = kernels_neuron.kernelize(transformers.FalconForCausalLM(config).eval(), device="neuron")
     report = model.kernels_neuron_report
     assert report.swapped == [] and report.fallbacks == []
     kinds = {row.path: (row.layer, row.reason) for row in report.no_kernel}
-    assert kinds["transformer.h.0.mlp"] == ("MLP", "FalconMLP: not a gated MLP down(act(gate(x)) * up(x)), the only "
-                                                   "MLP the hub has a kernel for")
+    assert kinds["transformer.h.0.mlp"] == (
+        "MLP",
+        "FalconMLP: not a gated MLP down(act(gate(x)) * up(x)), the only MLP the hub has a kernel for",
+    )
     assert kinds["transformer.h.0.ln_attn"][0] == kinds["transformer.ln_f"][0] == "LayerNorm"
     assert kinds["transformer.h.0.self_attention"][0] == "attention"
     assert "0 swapped, 0 kept their own forward, 5 with no kernel" in str(report)
@@ -272,7 +302,10 @@ def test_moe_experts_are_reported_as_having_no_kernel():
 @pytest.mark.parametrize("device", [torch.device("cpu"), "neuron:0"], ids=str)
 def test_a_torch_device_or_an_indexed_device_name_is_accepted(device):
     model = kernels_neuron.kernelize(build_tiny("llama"), device=device, attention=False, mlp=False)
-    assert model.kernels_neuron_report.device == str(device).split(":")[0] and len(model.kernels_neuron_report.swapped) == 5
+    assert (
+        model.kernels_neuron_report.device == str(device).split(":")[0]
+        and len(model.kernels_neuron_report.swapped) == 5
+    )
 
 
 @pytest.mark.parametrize("argument", ["attention", "mlp"])
@@ -292,12 +325,16 @@ def test_kernelizing_again_with_attention_false_gives_the_model_its_own_attentio
 
 
 def test_modules_kept_on_their_own_forward_are_warned_about_once_per_kernelize():
-    with pytest.warns(UserWarning, match=r"kernelize kept 4 module\(s\) on their own forward, e.g. "
-                                         r"model.layers.0.self_attn.q_norm: hidden size 32"):
+    with pytest.warns(
+        UserWarning,
+        match=r"kernelize kept 4 module\(s\) on their own forward, e.g. "
+        r"model.layers.0.self_attn.q_norm: hidden size 32",
+    ):
         _kernelize(build_tiny("qwen3", head_dim=32))
 
 
 # --- choosing kernels by name ----------------------------------------------------------------------------------
+
 
 def test_only_and_exclude_choose_kernels_by_name():
     model = kernels_neuron.kernelize(build_tiny("llama"), device="neuron", only=["neuron-rmsnorm"])
@@ -319,11 +356,14 @@ def test_the_mlp_keyword_is_exclude_neuron_mlp_and_undoes_an_earlier_swap():
     assert not any(row.layer.startswith("GatedMLP") for row in model.kernels_neuron_report)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"only": ["neuron-mlpp"]}, ValueError, r"only names unknown kernels \['neuron-mlpp'\]; the kernels are"),
-    ({"exclude": ["nki-sim"]}, ValueError, r"exclude names unknown kernels \['nki-sim'\]"),
-    ({"exclude": "neuron-mlp"}, TypeError, "exclude must be a list of kernel names"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"only": ["neuron-mlpp"]}, ValueError, r"only names unknown kernels \['neuron-mlpp'\]; the kernels are"),
+        ({"exclude": ["nki-sim"]}, ValueError, r"exclude names unknown kernels \['nki-sim'\]"),
+        ({"exclude": "neuron-mlp"}, TypeError, "exclude must be a list of kernel names"),
+    ],
+)
 def test_unknown_kernel_names_are_a_clear_error(kwargs, error, match):
     with pytest.raises(error, match=match):
         kernels_neuron.kernelize(build_tiny("llama"), device="neuron", **kwargs)

@@ -118,6 +118,7 @@ def test_greedy_generate_gives_the_same_tokens(mlp_arch):
 
 # --- fallbacks ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", ["llama", "granite"])
 def test_an_mlp_with_biases_keeps_its_own_forward_and_the_report_says_why(arch):
     model = build_tiny(arch, mlp_bias=True)
@@ -134,11 +135,14 @@ def test_an_mlp_with_biases_keeps_its_own_forward_and_the_report_says_why(arch):
     assert _launches(traces, "mlp_fwd") == 0
 
 
-@pytest.mark.parametrize("arch, overrides, named", [
-    ("llama", {"hidden_act": "gelu"}, "GELUActivation (exact erf GELU)"),
-    ("gemma", {"hidden_act": "relu"}, "ReLU"),
-    ("phi3", {"hidden_act": "gelu"}, "GELUActivation (exact erf GELU)"),
-])
+@pytest.mark.parametrize(
+    "arch, overrides, named",
+    [
+        ("llama", {"hidden_act": "gelu"}, "GELUActivation (exact erf GELU)"),
+        ("gemma", {"hidden_act": "relu"}, "ReLU"),
+        ("phi3", {"hidden_act": "gelu"}, "GELUActivation (exact erf GELU)"),
+    ],
+)
 def test_an_activation_the_kernel_lacks_keeps_the_modules_forward(arch, overrides, named):
     model = build_tiny(arch, **overrides)
     reference = copy.deepcopy(model)
@@ -153,7 +157,8 @@ def test_an_activation_the_kernel_lacks_keeps_the_modules_forward(arch, override
 
 def test_a_hidden_size_above_the_kernels_limit_keeps_the_modules_forward():
     mlp = transformers.models.llama.modeling_llama.LlamaMLP(
-        transformers.LlamaConfig(hidden_size=4104, intermediate_size=8, num_attention_heads=4, mlp_bias=False))
+        transformers.LlamaConfig(hidden_size=4104, intermediate_size=8, num_attention_heads=4, mlp_bias=False)
+    )
     _kernelize(mlp)
     (row,) = _mlp_rows(mlp)
     assert row.status == "fallback" and "hidden size 4104 is above the kernel's 4096 for float32" in row.reason
@@ -164,16 +169,24 @@ def test_a_hidden_size_above_the_kernels_limit_keeps_the_modules_forward():
 
 # --- structure: other SwiGLU MLPs are found, look-alikes are not ----------------------------------------
 
+
 def test_other_swiglu_mlp_classes_are_found_by_their_structure():
-    config = transformers.CohereConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                       intermediate_size=512, num_hidden_layers=2, vocab_size=128)
+    config = transformers.CohereConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        vocab_size=128,
+    )
     torch.manual_seed(0)
     model = transformers.CohereForCausalLM(config).eval()  # CohereMLP is not in the registry
     reference = copy.deepcopy(model)
     _kernelize(model)
     rows = _mlp_rows(model)
-    assert [(r.path, r.layer, r.status) for r in rows] == [(f"model.layers.{i}.mlp", "GatedMLP", "swapped")
-                                                           for i in range(LAYERS)]
+    assert [(r.path, r.layer, r.status) for r in rows] == [
+        (f"model.layers.{i}.mlp", "GatedMLP", "swapped") for i in range(LAYERS)
+    ]
     with sim.capture() as traces:
         assert_logits_match(model, reference, input_ids())
     assert _launches(traces, "mlp_fwd") == LAYERS
@@ -304,6 +317,7 @@ def test_compiled_kernelized_model_has_no_graph_breaks_and_matches():
 
 # --- negative controls: the checks above would catch a broken kernel -------------------------------------
 
+
 def _mlp_globals(model):
     return forward_of(next(iter(_mlps(model).values()))).__globals__
 
@@ -315,7 +329,9 @@ def test_the_wrong_activation_fails_the_logits_check(monkeypatch):
     assert_logits_match(model, reference, input_ids())
     namespace = _mlp_globals(model)
     real = namespace["gated_mlp"]
-    monkeypatch.setitem(namespace, "gated_mlp", lambda x, wg, wu, wd, activation, updates=None: real(x, wg, wu, wd, "silu", updates))
+    monkeypatch.setitem(
+        namespace, "gated_mlp", lambda x, wg, wu, wd, activation, updates=None: real(x, wg, wu, wd, "silu", updates)
+    )
     with pytest.raises(AssertionError, match="not close"):
         assert_logits_match(model, reference, input_ids())
 

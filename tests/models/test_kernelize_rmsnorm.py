@@ -84,6 +84,7 @@ def test_training_loss_and_every_gradient_match(arch, tiny):
 
 # --- negative controls: the checks above would catch a broken kernel --------------------------------
 
+
 def _layer_globals(model):
     """The globals of the hub layers module the swapped forwards run in (where ``rms_norm`` lives)."""
     return forward_of(next(iter(norm_modules(model).values()))).__globals__
@@ -92,8 +93,9 @@ def _layer_globals(model):
 def _force_convention(monkeypatch, model, convention_map):
     namespace = _layer_globals(model)
     real = namespace["rms_norm"]
-    monkeypatch.setitem(namespace, "rms_norm",
-                        lambda x, w, eps, convention: real(x, w, eps, convention_map.get(convention, convention)))
+    monkeypatch.setitem(
+        namespace, "rms_norm", lambda x, w, eps, convention: real(x, w, eps, convention_map.get(convention, convention))
+    )
 
 
 def test_a_gemma_layer_with_the_llama_convention_fails_the_logits_check(monkeypatch):

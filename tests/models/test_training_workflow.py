@@ -42,6 +42,7 @@ def _hub_module(model, suffix):
 
 # --- autocast -------------------------------------------------------------------------------------------
 
+
 def _step(model, ids, autocast):
     with sim.capture() as traces:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -72,6 +73,7 @@ def test_a_training_step_under_bf16_autocast_matches_the_model_under_the_same_au
 
 
 # --- PEFT LoRA, before and after kernelize ------------------------------------------------------------------
+
 
 def _lora(model, dropout=0.0):
     from peft import LoraConfig, get_peft_model
@@ -117,15 +119,20 @@ def test_lora_training_keeps_the_fused_mlp_and_matches_the_unkernelized_lora_run
     for name, want in want_grads.items():
         scale = want.abs().max()
         assert scale > 0, f"{name}: no gradient, the comparison would prove nothing"
-        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads[name], want, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("order", ["kernelize-then-lora", "lora-then-kernelize"])
 def test_merge_and_unload_gives_the_same_weights_and_a_model_with_the_same_logits(order):
     base = _qwen3().eval()
     reference = _lora(copy.deepcopy(base))
-    model = _lora(_kernelized(base)) if order == "kernelize-then-lora" else (
-        kernels_neuron.kernelize(_lora(copy.deepcopy(base)), device="neuron"))
+    model = (
+        _lora(_kernelized(base))
+        if order == "kernelize-then-lora"
+        else (kernels_neuron.kernelize(_lora(copy.deepcopy(base)), device="neuron"))
+    )
     ids = input_ids()
     with torch.no_grad():
         before = model(ids).logits
@@ -156,10 +163,18 @@ def test_lora_dropout_in_training_runs_the_modules_own_forward_and_says_why():
 
 # --- constraints that change after kernelize ------------------------------------------------------------
 
+
 def test_a_module_that_no_longer_fits_runs_its_own_forward_with_one_warning():
     """bf16 hidden 4160 fits the MLP kernel (limit 8192); after model.float() it is past the fp32 limit."""
-    model = build_tiny("llama", hidden_size=4160, intermediate_size=64, num_hidden_layers=1, num_attention_heads=65,
-                       num_key_value_heads=65, vocab_size=32).to(torch.bfloat16)
+    model = build_tiny(
+        "llama",
+        hidden_size=4160,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=65,
+        num_key_value_heads=65,
+        vocab_size=32,
+    ).to(torch.bfloat16)
     kernelized = _kernelized(model)
     assert [r.path for r in kernelized.kernels_neuron_report.swapped if r.layer == "GatedMLP"] == ["model.layers.0.mlp"]
     ids = input_ids(1, 4) % 32
@@ -170,19 +185,26 @@ def test_a_module_that_no_longer_fits_runs_its_own_forward_with_one_warning():
         for _ in range(2):
             torch.testing.assert_close(kernelized(ids).logits, model(ids).logits, **TOL)
     ours = [str(w.message) for w in caught if "kernels-neuron" in str(w.message)]
-    assert ours == ["kernels-neuron: LlamaMLP runs its own forward: hidden size 4160 is above the kernel's 4096 "
-                    "for float32"]
+    assert ours == [
+        "kernels-neuron: LlamaMLP runs its own forward: hidden size 4160 is above the kernel's 4096 for float32"
+    ]
     (row,) = kernelized.kernels_neuron_report.call_time_fallbacks
     assert row.path == "model.layers.0.mlp" and "4160" in row.call_time_fallback
     assert "fell back at call time" in str(kernelized.kernels_neuron_report)
 
 
-@pytest.mark.parametrize("change, reason", [
-    (lambda mlp: setattr(mlp.down_proj, "weight", nn.Parameter(mlp.down_proj.weight.t().contiguous().t())),
-     "down_proj.weight is not contiguous"),
-    (lambda mlp: mlp.gate_proj.register_forward_hook(lambda module, args, out: out * 2), "gate_proj has hooks"),
-    (lambda mlp: setattr(mlp, "up_proj", nn.Linear(256, 512, bias=True)), "up_proj has a bias"),
-], ids=["non-contiguous", "hook", "bias"])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (
+            lambda mlp: setattr(mlp.down_proj, "weight", nn.Parameter(mlp.down_proj.weight.t().contiguous().t())),
+            "down_proj.weight is not contiguous",
+        ),
+        (lambda mlp: mlp.gate_proj.register_forward_hook(lambda module, args, out: out * 2), "gate_proj has hooks"),
+        (lambda mlp: setattr(mlp, "up_proj", nn.Linear(256, 512, bias=True)), "up_proj has a bias"),
+    ],
+    ids=["non-contiguous", "hook", "bias"],
+)
 def test_a_projection_changed_after_kernelize_runs_the_modules_own_forward(change, reason):
     model = build_tiny("llama")
     kernelized = _kernelized(model)
@@ -198,6 +220,7 @@ def test_a_projection_changed_after_kernelize_runs_the_modules_own_forward(chang
 
 
 # --- packed and padded batches on the sequence path ---------------------------------------------------------
+
 
 @pytest.fixture
 def varlen_calls(monkeypatch):
@@ -245,12 +268,14 @@ def test_padded_batches_match_and_left_padding_takes_the_sequence_path(side, var
     else:
         mask[1, 25:] = 0
     with torch.no_grad():
-        torch.testing.assert_close(kernelized(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits,
-                                   **TOL)
+        torch.testing.assert_close(
+            kernelized(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, **TOL
+        )
     assert len(calls) == (2 if side == "left" else 0)
 
 
 # --- longer than one launch ---------------------------------------------------------------------------------
+
 
 def test_a_sequence_longer_than_one_launch_trains_like_the_reference(monkeypatch):
     """The hub kernel's residency limits lowered to 128 keys of head_dim 64 per forward launch: a

@@ -11,8 +11,15 @@ import transformers
 from torch import nn
 
 # hidden 256, 4 heads of 64 (2 KV heads), 2 layers: every norm is inside the kernel's 64..16384.
-BASE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
-            num_hidden_layers=2, vocab_size=128)
+BASE = dict(
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    vocab_size=128,
+)
 KERNEL_REPO = "kernels-neuron/neuron-rmsnorm"
 KERNEL_PACKAGE = "_neuron_rmsnorm_"  # the builder's module ids: _neuron_rmsnorm_<backend>_<hash>
 
@@ -32,13 +39,26 @@ ARCHS = {
     "qwen2": Arch("Qwen2ForCausalLM", "Qwen2Config", "RMSNorm", 5, head_dim=False),
     "qwen3": Arch("Qwen3ForCausalLM", "Qwen3Config", "RMSNorm", 9),  # + q_norm/k_norm over head_dim 64
     "mistral": Arch("MistralForCausalLM", "MistralConfig", "RMSNorm", 5),
-    "mixtral": Arch("MixtralForCausalLM", "MixtralConfig", "RMSNorm", 5,
-                    {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": Arch(
+        "MixtralForCausalLM", "MixtralConfig", "RMSNorm", 5, {"num_local_experts": 4, "num_experts_per_tok": 2}
+    ),
     # default bos/eos/pad ids lie outside the 128-token vocab
-    "phi3": Arch("Phi3ForCausalLM", "Phi3Config", "RMSNorm", 5,
-                 {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, head_dim=False),
-    "olmo2": Arch("Olmo2ForCausalLM", "Olmo2Config", "RMSNormFP32Multiply", 9,
-                  {"eos_token_id": 2, "pad_token_id": 1}, head_dim=False),
+    "phi3": Arch(
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        "RMSNorm",
+        5,
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+        head_dim=False,
+    ),
+    "olmo2": Arch(
+        "Olmo2ForCausalLM",
+        "Olmo2Config",
+        "RMSNormFP32Multiply",
+        9,
+        {"eos_token_id": 2, "pad_token_id": 1},
+        head_dim=False,
+    ),
     "granite": Arch("GraniteForCausalLM", "GraniteConfig", "RMSNorm", 5, head_dim=False),
     "gemma": Arch("GemmaForCausalLM", "GemmaConfig", "GemmaRMSNorm", 5),
     "gemma2": Arch("Gemma2ForCausalLM", "Gemma2Config", "GemmaRMSNorm", 9),
@@ -100,8 +120,11 @@ def bf16_errors(fp32_model: nn.Module, ids: torch.Tensor, kernelize) -> dict[str
     eager = copy.deepcopy(fp32_model).to(torch.bfloat16)
     kernelized = kernelize(copy.deepcopy(fp32_model).to(torch.bfloat16))
     exact, eager_out, kernel_out = logits(fp32_model, ids), logits(eager, ids), logits(kernelized, ids)
-    return {"torch": float((eager_out - exact).abs().max()), "kernel": float((kernel_out - exact).abs().max()),
-            "kernel_vs_torch": float((kernel_out - eager_out).abs().max())}
+    return {
+        "torch": float((eager_out - exact).abs().max()),
+        "kernel": float((kernel_out - exact).abs().max()),
+        "kernel_vs_torch": float((kernel_out - eager_out).abs().max()),
+    }
 
 
 def assert_bf16_like_torch(errors: dict[str, float]) -> None:

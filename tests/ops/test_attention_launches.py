@@ -45,17 +45,20 @@ def _coverage(plan, sq, sk, offset):
             i = torch.arange(launch.q0, launch.q1)[:, None]
             j = torch.arange(launch.k0, launch.k1)[None, :]
             seen &= j > i + offset - launch.bias_window
-        counts[launch.q0:launch.q1, launch.k0:launch.k1] += seen.int()
+        counts[launch.q0 : launch.q1, launch.k0 : launch.k1] += seen.int()
     return counts
 
 
 def _smaller_limits(keys):
     """The kernel module's residency rules with limits that hold ``keys`` keys of head_dim 64 in
     bf16 per forward launch (and 256 queries beside them in the backward)."""
-    return SimpleNamespace(P=KERNELS.P, resident_kv_bytes=KERNELS.resident_kv_bytes,
-                           resident_bwd_bytes=KERNELS.resident_bwd_bytes,
-                           MAX_RESIDENT_KV_BYTES=KERNELS.resident_kv_bytes(keys, 64, 2),
-                           MAX_RESIDENT_BWD_BYTES=KERNELS.resident_bwd_bytes(256, keys, 64, 2))
+    return SimpleNamespace(
+        P=KERNELS.P,
+        resident_kv_bytes=KERNELS.resident_kv_bytes,
+        resident_bwd_bytes=KERNELS.resident_bwd_bytes,
+        MAX_RESIDENT_KV_BYTES=KERNELS.resident_kv_bytes(keys, 64, 2),
+        MAX_RESIDENT_BWD_BYTES=KERNELS.resident_bwd_bytes(256, keys, 64, 2),
+    )
 
 
 def _segments(draw_lengths):
@@ -66,12 +69,19 @@ def _segments(draw_lengths):
 
 
 @settings(max_examples=150, deadline=None)
-@given(sq=st.integers(1, 700), extra_keys=st.integers(0, 400), causal=st.booleans(),
-       window=st.sampled_from([0, 1, 7, 100, 300, 900]), backward=st.booleans(),
-       capacity_keys=st.sampled_from([128, 256, 384]), packed=st.lists(st.integers(1, 500), min_size=1, max_size=5),
-       use_packed=st.booleans())
-def test_the_plan_covers_every_visible_pair_exactly_once(sq, extra_keys, causal, window, backward, capacity_keys,
-                                                         packed, use_packed):
+@given(
+    sq=st.integers(1, 700),
+    extra_keys=st.integers(0, 400),
+    causal=st.booleans(),
+    window=st.sampled_from([0, 1, 7, 100, 300, 900]),
+    backward=st.booleans(),
+    capacity_keys=st.sampled_from([128, 256, 384]),
+    packed=st.lists(st.integers(1, 500), min_size=1, max_size=5),
+    use_packed=st.booleans(),
+)
+def test_the_plan_covers_every_visible_pair_exactly_once(
+    sq, extra_keys, causal, window, backward, capacity_keys, packed, use_packed
+):
     capacity = launches.Capacity(_smaller_limits(capacity_keys), 64, 2)
     segments = _segments(packed) if use_packed else None
     if segments:
@@ -92,8 +102,13 @@ def test_long_sequences_are_planned_into_launches_the_kernel_accepts(d, itemsize
     """With the real limits: 100k tokens (causal, windowed, packed with one long sequence) become
     launches that each pass the kernel's own residency checks."""
     capacity = launches.Capacity(KERNELS, d, itemsize)
-    cases = [(100_000, 100_000, True, 0, None), (4096, 100_000, True, 0, None), (100_000, 100_000, True, 4096, None),
-             (100_000, 100_000, False, 0, None), (70_000, 70_000, True, 0, ((0, 1000), (1000, 61_000), (61_000, 70_000)))]
+    cases = [
+        (100_000, 100_000, True, 0, None),
+        (4096, 100_000, True, 0, None),
+        (100_000, 100_000, True, 4096, None),
+        (100_000, 100_000, False, 0, None),
+        (70_000, 70_000, True, 0, ((0, 1000), (1000, 61_000), (61_000, 70_000))),
+    ]
     assert not capacity.fits(100_000, 100_000, backward)  # the negative control: one launch would not do
     for sq, sk, causal, window, segments in cases:
         plan = launches.plan(sq, sk, causal, window, segments, capacity, backward)
@@ -117,13 +132,18 @@ def _grads(out, inputs, grad):
     return torch.autograd.grad(out, inputs, grad)
 
 
-@pytest.mark.parametrize("sq, sk, heads, causal, window, softcap, padded", [
-    (300, 300, (4, 2), True, None, None, False),
-    (200, 420, (2, 1), True, 150, None, False),
-    (260, 260, (2, 2), False, None, 5.0, True),
-], ids=["causal-gqa", "cache-window-mqa", "padded-softcap"])
-def test_attention_through_several_launches_matches_the_reference(small_sbuf, sq, sk, heads, causal, window, softcap,
-                                                                  padded):
+@pytest.mark.parametrize(
+    "sq, sk, heads, causal, window, softcap, padded",
+    [
+        (300, 300, (4, 2), True, None, None, False),
+        (200, 420, (2, 1), True, 150, None, False),
+        (260, 260, (2, 2), False, None, 5.0, True),
+    ],
+    ids=["causal-gqa", "cache-window-mqa", "padded-softcap"],
+)
+def test_attention_through_several_launches_matches_the_reference(
+    small_sbuf, sq, sk, heads, causal, window, softcap, padded
+):
     d = 32
     capacity = launches.Capacity(KERNELS, d, 4)
     assert len(launches.plan(sq, sk, causal, window or 0, None, capacity, backward=False)) > 1
@@ -187,7 +207,7 @@ def test_packed_sequences_are_modelled_no_slower_than_running_them_one_by_one(ba
 
     def modelled(total, segments):
         q, k, v = (torch.randn(1, 1, total, d, generator=gen).to(torch.bfloat16) for _ in range(3))
-        args = (None, d ** -0.5, True, 0, 0.0, segments)
+        args = (None, d**-0.5, True, 0, 0.0, segments)
         if not backward:
             return cost.estimate(kernels.flash_attn_fwd, q, k, v, *args).time_us
         out, lse = launches.run_kernel(kernels.flash_attn_fwd, q, k, v, *args)

@@ -26,8 +26,9 @@ def test_attention_with_mixed_qkv_dtypes_computes_in_the_autocast_dtype_like_sdp
     v = _randn(2, 2, 37, 64, seed=3, dtype=dtype)
     with torch.autocast("cpu", dtype=dtype):
         out = flash_attention(q, k, v, causal=True)
-        expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                  is_causal=True)
+        expected = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+        )
     assert out.dtype == expected.dtype == dtype
     exact = attention_reference(q, k, v.float(), causal=True)
     torch_error = (expected.float() - exact).abs().max()
@@ -51,8 +52,11 @@ def test_flash_attn_func_follows_autocast_too():
 @pytest.mark.parametrize("dtype", AUTOCAST)
 def test_the_mlp_follows_autocast_like_nn_linear_and_its_fp32_weights_get_gradients(dtype):
     x = _randn(3, 20, 96, seed=1)
-    weights = [(_randn(160, 96, seed=2) / 10).requires_grad_(), (_randn(160, 96, seed=3) / 10).requires_grad_(),
-               (_randn(96, 160, seed=4) / 12).requires_grad_()]
+    weights = [
+        (_randn(160, 96, seed=2) / 10).requires_grad_(),
+        (_randn(160, 96, seed=3) / 10).requires_grad_(),
+        (_randn(96, 160, seed=4) / 12).requires_grad_(),
+    ]
     with torch.autocast("cpu", dtype=dtype):
         out = gated_mlp(x, *weights, "silu")
         expected = gated_mlp_reference(x, *weights, "silu")  # F.linear under autocast: in the autocast dtype

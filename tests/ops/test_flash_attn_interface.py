@@ -47,8 +47,10 @@ def _sdpa_mask(batch, sq, sk, pads, window=None):
 
 # --- transformers' attention function ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("sq, sk, pads, window", [(16, 16, [0, 5], None), (1, 24, [0, 5], None), (6, 24, [3, 0], 8),
-                                                   (16, 16, [0, 0], 6)])
+
+@pytest.mark.parametrize(
+    "sq, sk, pads, window", [(16, 16, [0, 5], None), (1, 24, [0, 5], None), (6, 24, [3, 0], 8), (16, 16, [0, 0], 6)]
+)
 def test_flash_attn_forward_with_an_sdpa_mask_matches_transformers_sdpa(sq, sk, pads, window):
     module = FakeAttention(sliding_window=window)
     q, k, v = _randn(2, 4, sq, 64, seed=1), _randn(2, 2, sk, 64, seed=2), _randn(2, 2, sk, 64, seed=3)
@@ -84,17 +86,22 @@ def test_flash_attn_forward_takes_softcap_and_window_where_transformers_passes_t
     out, _ = flash_attn_forward(FakeAttention(sliding_window=5), q, k, v, None, scaling=0.2, softcap=0.5)
     torch.testing.assert_close(out, expected, **TOL)
     # an explicit sliding_window=None (a Gemma2 full-attention layer) wins over the attribute
-    out, _ = flash_attn_forward(FakeAttention(sliding_window=5), q, k, v, None, scaling=0.2, softcap=0.5,
-                                sliding_window=None)
-    torch.testing.assert_close(out, attention_reference(q, k, v, causal=True, softcap=0.5, scale=0.2).transpose(1, 2),
-                               **TOL)
+    out, _ = flash_attn_forward(
+        FakeAttention(sliding_window=5), q, k, v, None, scaling=0.2, softcap=0.5, sliding_window=None
+    )
+    torch.testing.assert_close(
+        out, attention_reference(q, k, v, causal=True, softcap=0.5, scale=0.2).transpose(1, 2), **TOL
+    )
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"s_aux": torch.zeros(4)}, "attention sinks"),
-    ({"dropout": 0.1}, "dropout is not supported"),
-    ({"position_bias": torch.zeros(1, 4, 8, 8)}, "position_bias"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"s_aux": torch.zeros(4)}, "attention sinks"),
+        ({"dropout": 0.1}, "dropout is not supported"),
+        ({"position_bias": torch.zeros(1, 4, 8, 8)}, "position_bias"),
+    ],
+)
 def test_flash_attn_forward_refuses_what_it_cannot_do(kwargs, match):
     q = _randn(1, 4, 8, 64)
     with pytest.raises(ValueError, match=match):
@@ -114,30 +121,37 @@ def test_unsupported_reasons_and_supports_flash_attn():
 
 # --- FlashAttention-2's functions ---------------------------------------------------------------------------
 
+
 def _bshd(x):
     return x.transpose(1, 2)  # [B, H, S, D] <-> [B, S, H, D]
 
 
-@pytest.mark.parametrize("causal, window_size, window", [(True, (-1, -1), None), (True, (4, 4), 5), (True, (4, 0), 5),
-                                                         (False, (-1, -1), None), (False, (9, -1), 10)])
+@pytest.mark.parametrize(
+    "causal, window_size, window",
+    [(True, (-1, -1), None), (True, (4, 4), 5), (True, (4, 0), 5), (False, (-1, -1), None), (False, (9, -1), 10)],
+)
 def test_flash_attn_func_layout_and_window_size(causal, window_size, window):
     q, k, v = _randn(2, 4, 30, 80, seed=1), _randn(2, 1, 40, 80, seed=2), _randn(2, 1, 40, 80, seed=3)
     out = flash_attn_func(_bshd(q), _bshd(k), _bshd(v), causal=causal, window_size=window_size, softcap=2.0)
     assert out.shape == (2, 30, 4, 80)
     expected = attention_reference(q, k, v, causal=causal, window=window, softcap=2.0)
     torch.testing.assert_close(_bshd(out), expected, **TOL)
-    out, lse, probs = flash_attn_func(_bshd(q), _bshd(k), _bshd(v), causal=causal, window_size=window_size,
-                                      softcap=2.0, return_attn_probs=True)
+    out, lse, probs = flash_attn_func(
+        _bshd(q), _bshd(k), _bshd(v), causal=causal, window_size=window_size, softcap=2.0, return_attn_probs=True
+    )
     _, expected_lse = attention_reference(q, k, v, causal=causal, window=window, softcap=2.0, return_lse=True)
     assert probs is None and lse.shape == (2, 4, 30)
     torch.testing.assert_close(lse, expected_lse, **TOL)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"window_size": (3, 3)}, "right window"),
-    ({"alibi_slopes": torch.zeros(4)}, "alibi_slopes is not supported"),
-    ({"dropout_p": 0.1}, "dropout is not supported"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"window_size": (3, 3)}, "right window"),
+        ({"alibi_slopes": torch.zeros(4)}, "alibi_slopes is not supported"),
+        ({"dropout_p": 0.1}, "dropout is not supported"),
+    ],
+)
 def test_flash_attn_func_refuses_what_it_cannot_do(kwargs, match):
     q = _randn(1, 8, 4, 64)
     with pytest.raises(ValueError, match=match):
@@ -200,17 +214,26 @@ def test_flash_attn_with_kvcache_appends_and_attends(paged):
         v_cache[table.flatten().long()] = dense_v.reshape(-1, block, 2, 64)
     else:
         table, k_cache, v_cache = None, dense_k.clone(), dense_v.clone()
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lengths, block_table=table,
-                                       causal=True, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        new_k,
+        new_v,
+        cache_seqlens=lengths,
+        block_table=table,
+        causal=True,
+        return_softmax_lse=True,
+    )
     assert out.shape == q.shape and lse.shape == (batch, 4, 2)
     for b, n in enumerate(lengths.tolist()):
         keys = torch.cat([dense_k[b, :n], new_k[b]])
         values = torch.cat([dense_v[b, :n], new_v[b]])
-        expected = attention_reference(_bshd(q[b:b + 1]), _bshd(keys[None]), _bshd(values[None]), causal=True)
-        torch.testing.assert_close(out[b:b + 1], _bshd(expected), **TOL)
+        expected = attention_reference(_bshd(q[b : b + 1]), _bshd(keys[None]), _bshd(values[None]), causal=True)
+        torch.testing.assert_close(out[b : b + 1], _bshd(expected), **TOL)
         # the new keys were written into the cache in place, after the n already there
         stored = k_cache[table[b].long()].reshape(-1, 2, 64) if paged else k_cache[b]
-        torch.testing.assert_close(stored[n:n + 2], new_k[b], rtol=0, atol=0)
+        torch.testing.assert_close(stored[n : n + 2], new_k[b], rtol=0, atol=0)
 
 
 def test_flash_attn_with_kvcache_equal_lengths_decode_in_one_launch():
@@ -224,13 +247,16 @@ def test_flash_attn_with_kvcache_equal_lengths_decode_in_one_launch():
     torch.testing.assert_close(out, _bshd(expected), **TOL)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"rotary_cos": torch.zeros(1)}, "rotary_cos is not supported"),
-    ({"cache_batch_idx": torch.zeros(1)}, "cache_batch_idx is not supported"),
-    ({"k": torch.zeros(1, 1, 2, 64)}, "give both k and v"),
-    ({"k": torch.zeros(1, 1, 2, 64), "v": torch.zeros(1, 1, 2, 64)}, "cache_seqlens is needed"),
-    ({"cache_seqlens": 30}, "do not fit the cache of 20"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rotary_cos": torch.zeros(1)}, "rotary_cos is not supported"),
+        ({"cache_batch_idx": torch.zeros(1)}, "cache_batch_idx is not supported"),
+        ({"k": torch.zeros(1, 1, 2, 64)}, "give both k and v"),
+        ({"k": torch.zeros(1, 1, 2, 64), "v": torch.zeros(1, 1, 2, 64)}, "cache_seqlens is needed"),
+        ({"cache_seqlens": 30}, "do not fit the cache of 20"),
+    ],
+)
 def test_flash_attn_with_kvcache_refuses_what_it_cannot_do(kwargs, match):
     with pytest.raises(ValueError, match=match):
         flash_attn_with_kvcache(_randn(1, 1, 4, 64), _randn(1, 20, 2, 64), _randn(1, 20, 2, 64), **kwargs)
@@ -243,13 +269,17 @@ def test_a_malformed_window_size_is_a_clear_error(window_size):
         flash_attn_func(q, q, q, causal=True, window_size=window_size)
 
 
-@pytest.mark.parametrize("cu_q, cu_k, match", [
-    ([0, 6, 4, 10], [0, 6, 4, 10], r"cu_seqlens_q must not decrease, got \[0, 6, 4, 10\]"),
-    ([0, -2, 10], [0, -2, 10], r"cu_seqlens_q must not decrease"),
-    ([0, 4, 10], [0, 7, 5, 12], r"cu_seqlens_k must not decrease"),
-    ([0, 4, 10], [0, 7, 12, 12], "cu_seqlens_q holds 2 sequences but cu_seqlens_k 3"),
-    ([0, 4, 10], [0, 7, 11], "cu_seqlens_k ends at 11 but there are 12 tokens"),
-], ids=["decreasing", "negative", "keys-decreasing", "counts", "keys-total"])
+@pytest.mark.parametrize(
+    "cu_q, cu_k, match",
+    [
+        ([0, 6, 4, 10], [0, 6, 4, 10], r"cu_seqlens_q must not decrease, got \[0, 6, 4, 10\]"),
+        ([0, -2, 10], [0, -2, 10], r"cu_seqlens_q must not decrease"),
+        ([0, 4, 10], [0, 7, 5, 12], r"cu_seqlens_k must not decrease"),
+        ([0, 4, 10], [0, 7, 12, 12], "cu_seqlens_q holds 2 sequences but cu_seqlens_k 3"),
+        ([0, 4, 10], [0, 7, 11], "cu_seqlens_k ends at 11 but there are 12 tokens"),
+    ],
+    ids=["decreasing", "negative", "keys-decreasing", "counts", "keys-total"],
+)
 def test_flash_attn_varlen_func_validates_both_cu_seqlens(cu_q, cu_k, match):
     q, k = _randn(10, 4, 64), _randn(12, 2, 64)
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
@@ -271,8 +301,13 @@ def test_flash_attn_with_kvcache_validates_everything_before_writing_the_cache()
         flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=3, window_size=4)
     assert torch.equal(k_cache, before[0])
     # entries past what a sequence reads are unused: -1 there is fine
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([10, 20]),
-                                  block_table=torch.tensor([[1, -1], [2, 3]], dtype=torch.int32))
+    out = flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=torch.tensor([10, 20]),
+        block_table=torch.tensor([[1, -1], [2, 3]], dtype=torch.int32),
+    )
     expected = attention_reference(_bshd(q[:1]), _bshd(k_cache[1, :10][None]), _bshd(v_cache[1, :10][None]))
     torch.testing.assert_close(out[:1], _bshd(expected), **TOL)
 

@@ -31,9 +31,9 @@ def _inputs(shape, dtype, fused=False, seed=0):
     *lead, hidden, inter = shape
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, hidden, generator=gen)
-    w_gate = torch.randn(inter, hidden, generator=gen) * hidden ** -0.5
-    w_up = torch.randn(inter, hidden, generator=gen) * hidden ** -0.5
-    w_down = torch.randn(hidden, inter, generator=gen) * inter ** -0.5
+    w_gate = torch.randn(inter, hidden, generator=gen) * hidden**-0.5
+    w_up = torch.randn(inter, hidden, generator=gen) * hidden**-0.5
+    w_down = torch.randn(hidden, inter, generator=gen) * inter**-0.5
     if fused:
         return x.to(dtype), torch.cat([w_gate, w_up]).to(dtype), None, w_down.to(dtype)
     return x.to(dtype), w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype)
@@ -135,9 +135,11 @@ def test_multi_part_forward_and_small_backward_blocks(monkeypatch):
     kernels = mlp_op._kernels
     real_forward_plan, real_backward_plan = kernels.forward_plan, kernels.backward_plan
     monkeypatch.setattr(kernels, "forward_plan", lambda *a: (min(256, a[0]), 1))
-    monkeypatch.setattr(kernels, "backward_plan", lambda *a: kernels.BackwardPlan(i_block_tiles=1, dx_rows=256,
-                                                                                  dx_cols=128, down_rows=128,
-                                                                                  gate_cols=256))
+    monkeypatch.setattr(
+        kernels,
+        "backward_plan",
+        lambda *a: kernels.BackwardPlan(i_block_tiles=1, dx_rows=256, dx_cols=128, down_rows=128, gate_cols=256),
+    )
     monkeypatch.setattr(kernels, "TOKEN_K_TILES", 2)
     monkeypatch.setattr(kernels, "DX_K_TILES", 2)
     args = _inputs((600, 200, 330), torch.float32, seed=5)
@@ -149,8 +151,10 @@ def test_multi_part_forward_and_small_backward_blocks(monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * w.abs().max())
     forward = next(t for t in traces if t.kernel == "mlp_fwd")
     # parts of one tile: the partial sums [hidden, block] went through kernel-private HBM
-    assert any(i.op == "dma_copy" and any(o.role == "dst" and o.buffer == "hbm" for o in i.operands)
-               for i in forward.instructions)
+    assert any(
+        i.op == "dma_copy" and any(o.role == "dst" and o.buffer == "hbm" for o in i.operands)
+        for i in forward.instructions
+    )
     assert real_forward_plan(600, 200, 330, "float32", 224 * 1024) == (600, 3)  # unpatched: one part
     assert real_backward_plan(600, 200, 330, "float32", 224 * 1024).i_block_tiles == 3
 
@@ -204,8 +208,9 @@ def test_opcheck_passes():
     grads = [t.clone().requires_grad_() for t in (x, w_gate, w_up, w_down)]
     torch.library.opcheck(mlp_fwd, (*grads, "gelu_tanh", True))
     fused = torch.cat([w_gate, w_up]).requires_grad_()
-    torch.library.opcheck(mlp_fwd, (x.clone().requires_grad_(), fused, None, w_down.clone().requires_grad_(), "silu",
-                                    True))
+    torch.library.opcheck(
+        mlp_fwd, (x.clone().requires_grad_(), fused, None, w_down.clone().requires_grad_(), "silu", True)
+    )
     _, saved = mlp_fwd(x, w_gate, w_up, w_down, "silu", True)
     torch.library.opcheck(mlp_bwd, (torch.randn_like(x), x, w_gate, w_up, w_down, saved, "silu"))
 
@@ -233,8 +238,9 @@ def test_non_contiguous_x_is_accepted():
     x = torch.randn(64, 40)[:, 8:40]  # [64, 32], not contiguous: activations may be views; they are copied
     assert not x.is_contiguous()
     w_gate, w_up, w_down = _inputs((64, 32, 96), torch.float32)[1:]
-    torch.testing.assert_close(gated_mlp(x, w_gate, w_up, w_down), gated_mlp_reference(x, w_gate, w_up, w_down),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        gated_mlp(x, w_gate, w_up, w_down), gated_mlp_reference(x, w_gate, w_up, w_down), rtol=1e-5, atol=1e-5
+    )
 
 
 def _bad(**changes):
@@ -244,27 +250,54 @@ def _bad(**changes):
     return args
 
 
-@pytest.mark.parametrize("args, error, match", [
-    (_bad(w_gate=torch.ones(97, 64)), ValueError, r"gate weight of shape \(97, 64\) does not match \[96, 64\]"),
-    (_bad(w_up=torch.ones(96, 65)), ValueError, r"up weight of shape \(96, 65\) does not match \[96, 64\]"),
-    (_bad(w_down=torch.ones(64, 95)), ValueError, r"gate weight of shape \(96, 64\) does not match \[95, 64\]"),
-    (_bad(w_down=torch.ones(63, 96)), ValueError, r"down weight of shape \(63, 96\) does not match hidden size 64"),
-    (_bad(w_gate=torch.ones(190, 64), w_up=None), ValueError, r"fused gate_up weight of shape \(190, 64\) does not "
-                                                              r"match \[2 \* 96, 64\]"),
-    (_bad(x=torch.ones(4, 64, dtype=torch.bfloat16)), TypeError, "must share one dtype, got x torch.bfloat16"),
-    (_bad(w_down=torch.ones(64, 96, dtype=torch.float16)), TypeError, "down weight torch.float16"),
-    (_bad(x=torch.ones(0, 64)), ValueError, r"x of shape \(0, 64\) is empty \(no tokens\)"),
-    (_bad(x=torch.ones(2, 0, 64)), ValueError, r"x of shape \(2, 0, 64\) is empty"),
-    (_bad(w_gate=torch.ones(64, 96).t()), ValueError, r"gate weight of shape \(96, 64\) is not contiguous"),
-    (_bad(w_down=torch.ones(96, 64).t()), ValueError, r"down weight of shape \(64, 96\) is not contiguous"),
-    (_bad(x=torch.ones(4, 64, dtype=torch.int32)), TypeError, "x has dtype torch.int32"),
-    (_bad(activation="gelu"), ValueError, r"activation 'gelu' is not one of \('silu', 'gelu_tanh'\)"),
-    (_bad(x=torch.ones(2, 4097), w_gate=torch.ones(1, 4097), w_up=torch.ones(1, 4097), w_down=torch.ones(4097, 1)),
-     ValueError, "hidden size 4097 is outside the supported range 1..4096 for float32"),
-    (_bad(w_gate=torch.ones(96, 64, 1)), ValueError, r"gate weight of shape \(96, 64, 1\) does not match"),
-], ids=["gate-shape", "up-shape", "down-intermediate", "down-hidden", "fused-shape", "x-dtype", "weight-dtype",
-        "no-tokens", "empty-batch", "gate-not-contiguous", "down-not-contiguous", "int-dtype", "activation",
-        "hidden-limit", "weight-rank"])
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        (_bad(w_gate=torch.ones(97, 64)), ValueError, r"gate weight of shape \(97, 64\) does not match \[96, 64\]"),
+        (_bad(w_up=torch.ones(96, 65)), ValueError, r"up weight of shape \(96, 65\) does not match \[96, 64\]"),
+        (_bad(w_down=torch.ones(64, 95)), ValueError, r"gate weight of shape \(96, 64\) does not match \[95, 64\]"),
+        (_bad(w_down=torch.ones(63, 96)), ValueError, r"down weight of shape \(63, 96\) does not match hidden size 64"),
+        (
+            _bad(w_gate=torch.ones(190, 64), w_up=None),
+            ValueError,
+            r"fused gate_up weight of shape \(190, 64\) does not "
+            r"match \[2 \* 96, 64\]",
+        ),
+        (_bad(x=torch.ones(4, 64, dtype=torch.bfloat16)), TypeError, "must share one dtype, got x torch.bfloat16"),
+        (_bad(w_down=torch.ones(64, 96, dtype=torch.float16)), TypeError, "down weight torch.float16"),
+        (_bad(x=torch.ones(0, 64)), ValueError, r"x of shape \(0, 64\) is empty \(no tokens\)"),
+        (_bad(x=torch.ones(2, 0, 64)), ValueError, r"x of shape \(2, 0, 64\) is empty"),
+        (_bad(w_gate=torch.ones(64, 96).t()), ValueError, r"gate weight of shape \(96, 64\) is not contiguous"),
+        (_bad(w_down=torch.ones(96, 64).t()), ValueError, r"down weight of shape \(64, 96\) is not contiguous"),
+        (_bad(x=torch.ones(4, 64, dtype=torch.int32)), TypeError, "x has dtype torch.int32"),
+        (_bad(activation="gelu"), ValueError, r"activation 'gelu' is not one of \('silu', 'gelu_tanh'\)"),
+        (
+            _bad(
+                x=torch.ones(2, 4097), w_gate=torch.ones(1, 4097), w_up=torch.ones(1, 4097), w_down=torch.ones(4097, 1)
+            ),
+            ValueError,
+            "hidden size 4097 is outside the supported range 1..4096 for float32",
+        ),
+        (_bad(w_gate=torch.ones(96, 64, 1)), ValueError, r"gate weight of shape \(96, 64, 1\) does not match"),
+    ],
+    ids=[
+        "gate-shape",
+        "up-shape",
+        "down-intermediate",
+        "down-hidden",
+        "fused-shape",
+        "x-dtype",
+        "weight-dtype",
+        "no-tokens",
+        "empty-batch",
+        "gate-not-contiguous",
+        "down-not-contiguous",
+        "int-dtype",
+        "activation",
+        "hidden-limit",
+        "weight-rank",
+    ],
+)
 def test_bad_input_gets_a_clear_error(args, error, match):
     with pytest.raises(error, match=match):
         gated_mlp(**args)
@@ -281,9 +314,19 @@ def test_bad_input_is_caught_before_tracing_under_torch_compile():
 def test_activation_kinds_of_transformers_and_torch_modules():
     from transformers import activations
 
-    kinds = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh",
-             "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": None, "gelu_accurate": None,
-             "quick_gelu": None, "relu": None, "gelu_10": None}
+    kinds = {
+        "silu": "silu",
+        "swish": "silu",
+        "gelu_pytorch_tanh": "gelu_tanh",
+        "gelu_python_tanh": "gelu_tanh",
+        "gelu_new": "gelu_tanh",
+        "gelu_fast": "gelu_tanh",
+        "gelu": None,
+        "gelu_accurate": None,
+        "quick_gelu": None,
+        "relu": None,
+        "gelu_10": None,
+    }
     for name, kind in kinds.items():
         assert activation_kind(activations.ACT2FN[name]) == kind, name
     assert activation_kind(nn.GELU(approximate="tanh")) == "gelu_tanh" and activation_kind(nn.GELU()) is None
@@ -309,18 +352,25 @@ def test_each_accepted_activation_computes_what_the_kernel_computes(name):
 
 # --- low-rank (LoRA) updates ---------------------------------------------------------------------------
 
+
 def _updates(shape, rank=4, seed=7, fused=False):
     """One or two low-rank updates per weight, with non-zero b (a LoRA b starts at zero)."""
     *_, hidden, inter = shape
     gen = torch.Generator().manual_seed(seed)
 
     def update(out, inp, scale):
-        return mlp_op.LowRankUpdate((torch.randn(rank, inp, generator=gen) / 10).requires_grad_(),
-                                    (torch.randn(out, rank, generator=gen) / 10).requires_grad_(), scale)
+        return mlp_op.LowRankUpdate(
+            (torch.randn(rank, inp, generator=gen) / 10).requires_grad_(),
+            (torch.randn(out, rank, generator=gen) / 10).requires_grad_(),
+            scale,
+        )
 
     gate_rows = 2 * inter if fused else inter
-    return ([update(gate_rows, hidden, 2.0), update(gate_rows, hidden, 0.5)], [] if fused else [update(inter, hidden, 2.0)],
-            [update(hidden, inter, 1.5)])
+    return (
+        [update(gate_rows, hidden, 2.0), update(gate_rows, hidden, 0.5)],
+        [] if fused else [update(inter, hidden, 2.0)],
+        [update(hidden, inter, 1.5)],
+    )
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused_gate_up"])
@@ -353,16 +403,28 @@ def test_low_rank_updates_under_bf16_stay_within_torchs_own_bf16_error():
     args = _inputs(shape, torch.bfloat16)
     updates = _updates(shape)
     exact = gated_mlp_reference(*_fp32(args), "silu", updates=updates)
-    torch_error = (gated_mlp_reference(*args, "silu", updates=[[u._replace(a=u.a.bfloat16(), b=u.b.bfloat16())
-                                                                 for u in w] for w in updates]).float() - exact).abs().max()
+    torch_error = (
+        (
+            gated_mlp_reference(
+                *args, "silu", updates=[[u._replace(a=u.a.bfloat16(), b=u.b.bfloat16()) for u in w] for w in updates]
+            ).float()
+            - exact
+        )
+        .abs()
+        .max()
+    )
     kernel_error = (gated_mlp(*args, "silu", updates=updates).float() - exact).abs().max()
     assert torch_error > 0 and kernel_error <= 2 * torch_error, (kernel_error, torch_error)
 
 
-@pytest.mark.parametrize("updates, match", [
-    (lambda u: u[:2], "3 lists"),
-    (lambda u: [u[0], u[1], [u[2][0]._replace(a=torch.zeros(4, 10))]], "does not match the down weight"),
-], ids=["two-lists", "wrong-shape"])
+@pytest.mark.parametrize(
+    "updates, match",
+    [
+        (lambda u: u[:2], "3 lists"),
+        (lambda u: [u[0], u[1], [u[2][0]._replace(a=torch.zeros(4, 10))]], "does not match the down weight"),
+    ],
+    ids=["two-lists", "wrong-shape"],
+)
 def test_bad_low_rank_updates_get_a_clear_error(updates, match):
     shape = (8, 96, 160)
     args = _inputs(shape, torch.float32)

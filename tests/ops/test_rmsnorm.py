@@ -29,8 +29,9 @@ def _fp32(x, w, convention):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_fp32_matches_reference_tightly(shape, convention):
     x, w = _inputs(shape, torch.float32, convention)
-    torch.testing.assert_close(rms_norm(x, w, EPS, convention), rms_norm_reference(x, w, EPS, convention),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        rms_norm(x, w, EPS, convention), rms_norm_reference(x, w, EPS, convention), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("convention", CONVENTIONS)
@@ -107,14 +108,20 @@ def test_nan_and_inf_propagate_like_the_reference():
     assert out[1].isnan().all() and not out[0].isnan().any()
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: (torch.ones(4, 128, dtype=torch.int32), torch.ones(128)), "dtype torch.int32"),
-    (lambda: (torch.ones(4, 128), torch.ones(127)), r"weight of shape \(127,\) does not match hidden size 128"),
-    (lambda: (torch.ones(0, 128), torch.ones(128)), r"shape \(0, 128\) is empty"),
-    (lambda: (torch.ones(128, 4).t(), torch.ones(128)), "not contiguous"),
-    (lambda: (torch.ones(4, MAX_HIDDEN + 1), torch.ones(MAX_HIDDEN + 1)), f"outside the supported range {MIN_HIDDEN}"),
-    (lambda: (torch.ones(4, 32), torch.ones(32)), "hidden size 32 is outside"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: (torch.ones(4, 128, dtype=torch.int32), torch.ones(128)), "dtype torch.int32"),
+        (lambda: (torch.ones(4, 128), torch.ones(127)), r"weight of shape \(127,\) does not match hidden size 128"),
+        (lambda: (torch.ones(0, 128), torch.ones(128)), r"shape \(0, 128\) is empty"),
+        (lambda: (torch.ones(128, 4).t(), torch.ones(128)), "not contiguous"),
+        (
+            lambda: (torch.ones(4, MAX_HIDDEN + 1), torch.ones(MAX_HIDDEN + 1)),
+            f"outside the supported range {MIN_HIDDEN}",
+        ),
+        (lambda: (torch.ones(4, 32), torch.ones(32)), "hidden size 32 is outside"),
+    ],
+)
 def test_bad_input_gets_a_clear_error(make, match):
     x, w = make()
     with pytest.raises((TypeError, ValueError), match=match):

@@ -26,7 +26,7 @@ def test_tiled_matmul_accumulates_over_k(k, m, n, dtype):
     else:
         # fp32 accumulation (error <= k * 2**-24 * sum|a||b|), then one bf16 rounding (<= 2**-8 relative).
         magnitude = np.abs(lhs_t.astype(np.float64)).T @ np.abs(rhs.astype(np.float64))
-        bound = np.abs(exact) * 2 ** -8 + k * 2 ** -24 * magnitude * (1 + 2 ** -8)
+        bound = np.abs(exact) * 2**-8 + k * 2**-24 * magnitude * (1 + 2**-8)
         assert np.all(np.abs(result.outputs.astype(np.float64) - exact) <= bound)
         # ...and a bf16-accumulating kernel would be far worse than that on some element.
         assert np.abs(result.outputs.astype(np.float64) - exact).max() < 0.02 * np.abs(exact).max()
@@ -62,15 +62,19 @@ def test_row_softmax_bf16_matches_fp32_math_rounded_once():
     out = examples.row_softmax(x).astype(np.float32)
     ref = examples.row_softmax_reference(x.astype(np.float32))
     # One bf16 rounding of the output: at most half an ulp (2**-8 relative) apart.
-    np.testing.assert_array_less(np.abs(out - ref), np.abs(ref) * 2 ** -8 + 1e-30)
+    np.testing.assert_array_less(np.abs(out - ref), np.abs(ref) * 2**-8 + 1e-30)
 
 
 @pytest.mark.parametrize("rows, cols", [(128, 512), (300, 1000), (7, 64)])
 def test_layernorm(rows, cols):
     x = _randn(rows, cols) * 3 + 1
     gamma, beta = _randn(1, cols), _randn(1, cols)
-    np.testing.assert_allclose(examples.layernorm(x, gamma, beta, 1e-5),
-                               examples.layernorm_reference(x, gamma, beta, 1e-5), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        examples.layernorm(x, gamma, beta, 1e-5),
+        examples.layernorm_reference(x, gamma, beta, 1e-5),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("rows, programs", [(512, 4), (300, 3), (128, 1)])

@@ -86,7 +86,7 @@ def test_keyword_and_non_tensor_arguments_pass_through():
 def _write_row(out_row, values):
     tile = nl.ndarray((1, len(values)), nl.float32, buffer=nl.sbuf)
     for j, v in enumerate(values):
-        nisa.memset(tile[:, j:j + 1], float(v))
+        nisa.memset(tile[:, j : j + 1], float(v))
     nisa.dma_copy(dst=out_row, src=tile)
 
 
@@ -102,8 +102,9 @@ def spmd_1d(x):
 def spmd_2d(x):
     out = nl.ndarray((2, 3, 6), nl.float32, buffer=nl.shared_hbm)
     i, j = nl.program_id(0), nl.program_id(axis=1)
-    _write_row(out[i, j], [i, j, nl.num_programs(), nl.num_programs(axes=1), nl.num_programs(axes=(0, 1)),
-                           nl.program_ndim()])
+    _write_row(
+        out[i, j], [i, j, nl.num_programs(), nl.num_programs(axes=1), nl.num_programs(axes=(0, 1)), nl.program_ndim()]
+    )
     return out
 
 
@@ -170,7 +171,8 @@ def test_nki_simulate_runs_a_plain_function():
 
 def test_python_m_runs_a_script_with_nki(tmp_path):
     script = tmp_path / "uses_nki.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         import numpy as np
         import nki
@@ -187,9 +189,15 @@ def test_python_m_runs_a_script_with_nki(tmp_path):
             return out
 
         print("RESULT", add_one(np.arange(3, dtype=np.float32).reshape(1, 3)).tolist(), sys.argv[1:])
-    """))
-    done = subprocess.run([sys.executable, "-m", "kernels_neuron.sim", str(script), "a", "b"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    """)
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "kernels_neuron.sim", str(script), "a", "b"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert "RESULT [[1.0, 2.0, 3.0]] ['a', 'b']" in done.stdout
     assert "nki backend: simulator" in done.stderr
@@ -198,16 +206,25 @@ def test_python_m_runs_a_script_with_nki(tmp_path):
 # -- targets --------------------------------------------------------------------------------------
 @sim.jit
 def target_facts(x):
-    return (nisa.get_nc_version(), nl.tile_size.pmax, nl.tile_size.gemm_stationary_fmax,
-            nl.tile_size.gemm_moving_fmax, nl.tile_size.psum_fmax, nl.tile_size.total_available_sbuf_size)
+    return (
+        nisa.get_nc_version(),
+        nl.tile_size.pmax,
+        nl.tile_size.gemm_stationary_fmax,
+        nl.tile_size.gemm_moving_fmax,
+        nl.tile_size.psum_fmax,
+        nl.tile_size.total_available_sbuf_size,
+    )
 
 
-@pytest.mark.parametrize("env, version, name, moving, sbuf", [
-    ("trn1", "gen2", "trn1", 512, 192 * 1024),
-    ("gen3", "gen3", "trn2", 512, 224 * 1024),
-    ("trn3", "gen4", "trn3", 4096, 256 * 1024),
-    (None, "gen3", "trn2", 512, 224 * 1024),
-])
+@pytest.mark.parametrize(
+    "env, version, name, moving, sbuf",
+    [
+        ("trn1", "gen2", "trn1", 512, 192 * 1024),
+        ("gen3", "gen3", "trn2", 512, 224 * 1024),
+        ("trn3", "gen4", "trn3", 4096, 256 * 1024),
+        (None, "gen3", "trn2", 512, 224 * 1024),
+    ],
+)
 def test_target_from_environment(monkeypatch, env, version, name, moving, sbuf):
     if env is None:
         monkeypatch.delenv(TARGET_ENV_VAR, raising=False)
@@ -261,12 +278,19 @@ def test_a_jit_kernel_called_inside_a_kernel_is_inlined():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     result = sim.run(outer, x, target="trn1")
     np.testing.assert_array_equal(result.outputs, 3 * x + 1)
-    assert [i.op for i in result.trace] == ["dma_copy", "tensor_scalar", "dma_copy", "dma_copy", "tensor_scalar",
-                                            "dma_copy"]
+    assert [i.op for i in result.trace] == [
+        "dma_copy",
+        "tensor_scalar",
+        "dma_copy",
+        "dma_copy",
+        "tensor_scalar",
+        "dma_copy",
+    ]
     assert result.trace.target == "trn1"
 
 
 # --- API surface nki-library kernels rely on --------------------------------------------------
+
 
 @sim.jit
 def _enum_spellings(x):
@@ -283,7 +307,10 @@ def _enum_spellings(x):
 def test_enum_arguments_accept_members_names_and_indices():
     x = np.arange(128 * 16, dtype=np.float32).reshape(128, 16)
     np.testing.assert_array_equal(_enum_spellings(x), x)
-    assert nisa.dge_mode(3) is nisa.dge_mode.none and nisa.matmul_perf_mode("double_row") is nisa.matmul_perf_mode.double_row
+    assert (
+        nisa.dge_mode(3) is nisa.dge_mode.none
+        and nisa.matmul_perf_mode("double_row") is nisa.matmul_perf_mode.double_row
+    )
     with pytest.raises(ValueError):
         nisa.dge_mode("warp")
 
@@ -297,9 +324,15 @@ def test_nc_version_is_ordered():
 def _view_facts(x):
     t = nl.ndarray((128, 4, 8), nl.float32, buffer=nl.sbuf, name=None, address=(0, 0))
     v = t[:, 1:3, ::2].permute(dims=[0, 2, 1])
-    facts = {"strides": v.strides, "offset": v.offset, "pattern": v.get_pattern(),
-             "contiguous": (t.is_contiguous(), v.is_contiguous()), "indirect": v.is_indirect(),
-             "cast": t.reinterpret_cast(nl.bfloat16).shape, "par_dim": nl.par_dim(7)}
+    facts = {
+        "strides": v.strides,
+        "offset": v.offset,
+        "pattern": v.get_pattern(),
+        "contiguous": (t.is_contiguous(), v.is_contiguous()),
+        "indirect": v.is_indirect(),
+        "cast": t.reinterpret_cast(nl.bfloat16).shape,
+        "par_dim": nl.par_dim(7),
+    }
     return facts
 
 

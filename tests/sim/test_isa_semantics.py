@@ -121,8 +121,21 @@ def test_dma_copy_roundtrip_is_bit_exact(dtype):
 
 def test_dma_copy_fp32_to_bf16_rounds_to_nearest_even():
     # Exact ties (low 16 bits == 0x8000) round to the even bf16; others round to nearest.
-    tie_patterns = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x3F80_8001, 0x3F80_7FFF,
-                             0x7F7FFFFF, 0x00008000, 0x00018000, 0x7F800000], dtype=np.uint32)
+    tie_patterns = np.array(
+        [
+            0x3F808000,
+            0x3F818000,
+            0xBF808000,
+            0xBF818000,
+            0x3F80_8001,
+            0x3F80_7FFF,
+            0x7F7FFFFF,
+            0x00008000,
+            0x00018000,
+            0x7F800000,
+        ],
+        dtype=np.uint32,
+    )
     x = rand((128, 64), np.float32, -1e4, 1e4, seed=2)
     x.reshape(-1)[: tie_patterns.size] = tie_patterns.view(np.float32)
 
@@ -143,9 +156,16 @@ def test_dma_copy_fp32_to_bf16_rounds_to_nearest_even():
     assert got[6] == 0x7F80  # fp32 max rounds up to +inf in bf16
 
 
-@pytest.mark.parametrize("src_dtype,dst_dtype", [
-    (np.float32, np.float16), (BF16, np.float32), (np.float16, BF16), (np.float32, FP8_E4M3), (np.int32, np.float32),
-])
+@pytest.mark.parametrize(
+    "src_dtype,dst_dtype",
+    [
+        (np.float32, np.float16),
+        (BF16, np.float32),
+        (np.float16, BF16),
+        (np.float32, FP8_E4M3),
+        (np.int32, np.float32),
+    ],
+)
 def test_dma_copy_converts_dtype_through_fp32(src_dtype, dst_dtype):
     if np.dtype(src_dtype).kind == "i":
         x = np.random.default_rng(3).integers(-5000, 5000, size=(64, 32)).astype(src_dtype)
@@ -239,8 +259,7 @@ def _gather_kernel(oob):
         nisa.dma_copy(dst=idx, src=indices)
         dst = sb((P, F), data.dtype)
         nisa.memset(dst=dst, value=-1.0)
-        nisa.dma_copy(dst=dst, src=data.ap(pattern=[[F, P], [1, F]], vector_offset=idx, indirect_dim=0),
-                      oob_mode=oob)
+        nisa.dma_copy(dst=dst, src=data.ap(pattern=[[F, P], [1, F]], vector_offset=idx, indirect_dim=0), oob_mode=oob)
         out = nl.ndarray((P, F), data.dtype, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=out, src=dst)
         return out
@@ -324,7 +343,7 @@ def _dma_t(t, shape, axes=None):
 @pytest.mark.parametrize("dtype", [np.float32, BF16, np.int32])
 def test_tensor_copy_same_dtype_is_bit_exact(engine, dtype):
     if np.dtype(dtype).kind == "i":
-        x = np.random.default_rng(12).integers(-2**31, 2**31 - 1, size=(128, 64)).astype(dtype)
+        x = np.random.default_rng(12).integers(-(2**31), 2**31 - 1, size=(128, 64)).astype(dtype)
     else:
         x = rand((128, 64), dtype, -1e30, 1e30, seed=12)
         # NaN payloads, signed zero and infinities survive a same-dtype copy untouched.
@@ -418,9 +437,16 @@ def test_tensor_copy_predicated_scalar_source(dtype):
     assert_bits_equal(run(body, x, pred), expected.astype(dtype))
 
 
-@pytest.mark.parametrize("dtype,value", [
-    (np.float32, 3.25), (BF16, 1.0 / 3.0), (np.float16, -1e-3), (np.int32, -123456), (np.uint8, 200),
-])
+@pytest.mark.parametrize(
+    "dtype,value",
+    [
+        (np.float32, 3.25),
+        (BF16, 1.0 / 3.0),
+        (np.float16, -1e-3),
+        (np.int32, -123456),
+        (np.uint8, 200),
+    ],
+)
 @pytest.mark.parametrize("engine", [nisa.vector_engine, nisa.gpsimd_engine])
 def test_memset_fills_with_value_rounded_to_dtype(dtype, value, engine):
     def body():
@@ -479,10 +505,10 @@ def test_nc_matmul_accumulate_auto_detect_first_overwrites_then_adds():
 
     def body(s, m1, m2):
         acc = ps((64, 80))  # uninitialized PSUM reads as NaN: an add would poison the result
-        nisa.nc_matmul(dst=acc, stationary=s, moving=m1)            # first write: overwrite
+        nisa.nc_matmul(dst=acc, stationary=s, moving=m1)  # first write: overwrite
         first = sb((64, 80), nl.float32)
         nisa.tensor_copy(dst=first, src=acc)
-        nisa.nc_matmul(dst=acc, stationary=s, moving=m2)            # later write: accumulate
+        nisa.nc_matmul(dst=acc, stationary=s, moving=m2)  # later write: accumulate
         return first, acc
 
     first, total = run(body, a, b, c)
@@ -515,9 +541,14 @@ def test_nc_matmul_accumulate_explicit_true_and_false():
     assert np.all(np.abs(split - ref) <= tol)
 
 
-@pytest.mark.parametrize("position,size,k,m", [
-    ((32, 0), (32, 128), 32, 96), ((64, 64), (64, 64), 64, 64), ((96, 32), (32, 32), 20, 32),
-])
+@pytest.mark.parametrize(
+    "position,size,k,m",
+    [
+        ((32, 0), (32, 128), 32, 96),
+        ((64, 64), (64, 64), 64, 64),
+        ((96, 32), (32, 32), 20, 32),
+    ],
+)
 def test_nc_matmul_row_and_column_tiling_computes_the_same_product(position, size, k, m):
     a, b = rand((k, m), BF16, seed=27), rand((k, 64), BF16, seed=28)
     out = run(lambda s, mv: _matmul(s, mv, (m, 64), tile_position=position, tile_size=size), a, b)
@@ -532,8 +563,12 @@ def test_nc_matmul_tiling_rules():
     with pytest.raises(nisa.NkiValidationError, match="multiple"):
         run(lambda s, mv: _matmul(s, mv, (32, 16), tile_position=(32, 0), tile_size=(64, 128)), a, b)
     with pytest.raises(nisa.NkiValidationError, match="32"):  # 32-row tiles need NeuronCore-v3
-        run(lambda s, mv: _matmul(s[0:32], mv[0:32], (32, 16), tile_position=(0, 0), tile_size=(32, 128)),
-            a, b, target="trn1")
+        run(
+            lambda s, mv: _matmul(s[0:32], mv[0:32], (32, 16), tile_position=(0, 0), tile_size=(32, 128)),
+            a,
+            b,
+            target="trn1",
+        )
 
 
 def test_nc_matmul_fp8_double_row_contracts_over_partitions_and_pairs():
@@ -545,11 +580,13 @@ def test_nc_matmul_fp8_double_row_contracts_over_partitions_and_pairs():
     expected = np.einsum("kjm,kjn->mn", f64(s), f64(m))  # small dyadic values: exact in fp32
     np.testing.assert_array_equal(out, expected.astype(np.float32))
     with pytest.raises(nisa.NkiValidationError, match="double_row"):
-        run(lambda st, mv: _matmul(st, mv, (24, 40), perf_mode=nisa.matmul_perf_mode.double_row), s, m,
-            target="trn1")
+        run(lambda st, mv: _matmul(st, mv, (24, 40), perf_mode=nisa.matmul_perf_mode.double_row), s, m, target="trn1")
     with pytest.raises(nisa.NkiValidationError, match="fp8"):
-        run(lambda st, mv: _matmul(st, mv, (24, 40), perf_mode=nisa.matmul_perf_mode.double_row),
-            s.astype(BF16), m.astype(BF16))
+        run(
+            lambda st, mv: _matmul(st, mv, (24, 40), perf_mode=nisa.matmul_perf_mode.double_row),
+            s.astype(BF16),
+            m.astype(BF16),
+        )
 
 
 def test_nc_matmul_is_transpose_is_bit_accurate_with_nan_and_inf():
@@ -632,7 +669,7 @@ def test_tensor_tensor_arithmetic_ops(name, dtype):
     a = rand((128, 64), dtype, -4, 4, seed=40)
     b = rand((128, 64), dtype, -4, 4, seed=41)
     b[np.abs(f32(b)) < 0.25] = 0.5  # keep divisors away from zero
-    b[0, :8] = a[0, :8]             # ties for max/min/abs_max
+    b[0, :8] = a[0, :8]  # ties for max/min/abs_max
     b[1, :8] = -a[1, :8]
     op, ref = (nl.abs_max, _abs_max_ref) if name == "abs_max" else EXACT_BINARY[name]
 
@@ -659,14 +696,26 @@ def test_tensor_tensor_power_runs_on_gpsimd(dtype):
 
     assert_close_in(dtype, run(body, a, b), np.power(f64(a), f64(b)))
     with pytest.raises(nisa.NkiValidationError, match="GpSimd"):
-        run(lambda x, y: nisa.tensor_tensor(dst=sb(x.shape, x.dtype), data1=x, data2=y, op=nl.power,
-                                            engine=nisa.vector_engine), a, b)
+        run(
+            lambda x, y: nisa.tensor_tensor(
+                dst=sb(x.shape, x.dtype), data1=x, data2=y, op=nl.power, engine=nisa.vector_engine
+            ),
+            a,
+            b,
+        )
 
 
-@pytest.mark.parametrize("name,ref", [
-    ("equal", np.equal), ("not_equal", np.not_equal), ("greater", np.greater),
-    ("greater_equal", np.greater_equal), ("less", np.less), ("less_equal", np.less_equal),
-])
+@pytest.mark.parametrize(
+    "name,ref",
+    [
+        ("equal", np.equal),
+        ("not_equal", np.not_equal),
+        ("greater", np.greater),
+        ("greater_equal", np.greater_equal),
+        ("less", np.less),
+        ("less_equal", np.less_equal),
+    ],
+)
 @pytest.mark.parametrize("out_dtype", [np.float32, np.uint8, BF16])
 def test_tensor_tensor_comparisons_return_one_or_zero(name, ref, out_dtype):
     a = rand((64, 32), np.float32, -3, 3, seed=44)
@@ -683,10 +732,16 @@ def test_tensor_tensor_comparisons_return_one_or_zero(name, ref, out_dtype):
     np.testing.assert_array_equal(f32(out), ref(a, b).astype(np.float32))
 
 
-@pytest.mark.parametrize("name,ref", [
-    ("bitwise_and", np.bitwise_and), ("bitwise_or", np.bitwise_or), ("bitwise_xor", np.bitwise_xor),
-    ("left_shift", np.left_shift), ("right_shift", np.right_shift),
-])
+@pytest.mark.parametrize(
+    "name,ref",
+    [
+        ("bitwise_and", np.bitwise_and),
+        ("bitwise_or", np.bitwise_or),
+        ("bitwise_xor", np.bitwise_xor),
+        ("left_shift", np.left_shift),
+        ("right_shift", np.right_shift),
+    ],
+)
 @pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.uint8])
 def test_tensor_tensor_bitvec_ops_act_on_bit_patterns(name, ref, dtype):
     rng = np.random.default_rng(46)
@@ -713,8 +768,16 @@ def test_tensor_tensor_bitvec_rejects_float_tiles():
         run(lambda x, y: nisa.tensor_tensor(dst=sb(x.shape, x.dtype), data1=x, data2=y, op=nl.bitwise_and), a, a)
 
 
-@pytest.mark.parametrize("name,ref", [("add", np.add), ("subtract", np.subtract), ("multiply", np.multiply),
-                                      ("maximum", np.maximum), ("minimum", np.minimum)])
+@pytest.mark.parametrize(
+    "name,ref",
+    [
+        ("add", np.add),
+        ("subtract", np.subtract),
+        ("multiply", np.multiply),
+        ("maximum", np.maximum),
+        ("minimum", np.minimum),
+    ],
+)
 def test_tensor_tensor_int32_on_gpsimd_is_exact(name, ref):
     # All-int32 tiles default to GpSimd's native 32-bit integer arithmetic: no fp32 rounding.
     a = np.array([[2**24 + 1, 2**30 + 3, -(2**28) - 7, 123456789, 5]], np.int32).repeat(8, axis=0)
@@ -755,11 +818,12 @@ def test_tensor_scalar_reverse_flags_and_two_op_chain(dtype):
 
     def body(t, v):
         outs = [sb(t.shape, nl.float32) for _ in range(4)]
-        nisa.tensor_scalar(dst=outs[0], data=t, op0=nl.subtract, operand0=v, reverse0=True)        # v - x
-        nisa.tensor_scalar(dst=outs[1], data=t, op0=nl.divide, operand0=3.0, reverse0=True)        # 3 / x
+        nisa.tensor_scalar(dst=outs[0], data=t, op0=nl.subtract, operand0=v, reverse0=True)  # v - x
+        nisa.tensor_scalar(dst=outs[1], data=t, op0=nl.divide, operand0=3.0, reverse0=True)  # 3 / x
         nisa.tensor_scalar(dst=outs[2], data=t, op0=nl.multiply, operand0=v, op1=nl.add, operand1=0.75)
-        nisa.tensor_scalar(dst=outs[3], data=t, op0=nl.add, operand0=1.5, op1=nl.subtract, operand1=v,
-                           reverse1=True)                                                           # v - (x + 1.5)
+        nisa.tensor_scalar(
+            dst=outs[3], data=t, op0=nl.add, operand0=1.5, op1=nl.subtract, operand1=v, reverse1=True
+        )  # v - (x + 1.5)
         return tuple(outs)
 
     o0, o1, o2, o3 = run(body, x, col)
@@ -798,8 +862,12 @@ def test_tensor_scalar_bitvec_on_integers():
 
     np.testing.assert_array_equal(run(body, x), ((x & 0x0FF0) << 4).astype(np.uint16))
     with pytest.raises(nisa.NkiValidationError, match="bitvec"):
-        run(lambda t: nisa.tensor_scalar(dst=sb(t.shape, nl.uint16), data=t, op0=nl.bitwise_and, operand0=1,
-                                         op1=nl.add, operand1=1.0), x)
+        run(
+            lambda t: nisa.tensor_scalar(
+                dst=sb(t.shape, nl.uint16), data=t, op0=nl.bitwise_and, operand0=1, op1=nl.add, operand1=1.0
+            ),
+            x,
+        )
 
 
 def test_tensor_scalar_scalar_engine_combos():
@@ -807,14 +875,19 @@ def test_tensor_scalar_scalar_engine_combos():
 
     def body(t):
         dst = sb(t.shape, nl.float32)
-        nisa.tensor_scalar(dst=dst, data=t, op0=nl.multiply, operand0=-1.25, op1=nl.add, operand1=0.5,
-                           engine=nisa.scalar_engine)
+        nisa.tensor_scalar(
+            dst=dst, data=t, op0=nl.multiply, operand0=-1.25, op1=nl.add, operand1=0.5, engine=nisa.scalar_engine
+        )
         return dst
 
     np.testing.assert_array_equal(run(body, x), x * np.float32(-1.25) + np.float32(0.5))
     with pytest.raises(nisa.NkiValidationError, match="ScalarE"):
-        run(lambda t: nisa.tensor_scalar(dst=sb(t.shape, nl.float32), data=t, op0=nl.maximum, operand0=0.0,
-                                         engine=nisa.scalar_engine), x)
+        run(
+            lambda t: nisa.tensor_scalar(
+                dst=sb(t.shape, nl.float32), data=t, op0=nl.maximum, operand0=0.0, engine=nisa.scalar_engine
+            ),
+            x,
+        )
 
 
 @pytest.mark.parametrize("dtype", list(FLOATS.values()), ids=list(FLOATS))
@@ -826,8 +899,9 @@ def test_scalar_tensor_tensor(dtype):
     def body(t, u, v):
         a, b = sb(t.shape, t.dtype), sb(t.shape, nl.float32)
         nisa.scalar_tensor_tensor(dst=a, data=t, op0=nl.multiply, operand0=v, op1=nl.add, operand1=u)
-        nisa.scalar_tensor_tensor(dst=b, data=t, op0=nl.subtract, operand0=0.5, op1=nl.subtract, operand1=u,
-                                  reverse0=True, reverse1=True)  # u - (0.5 - t)
+        nisa.scalar_tensor_tensor(
+            dst=b, data=t, op0=nl.subtract, operand0=0.5, op1=nl.subtract, operand1=u, reverse0=True, reverse1=True
+        )  # u - (0.5 - t)
         return a, b
 
     a, b = run(body, x, y, col)
@@ -851,8 +925,12 @@ def test_reciprocal(dtype):
 # =============================================================================================
 # reductions
 # =============================================================================================
-REDUCE = {"add": (nl.add, np.sum), "maximum": (nl.maximum, np.max), "minimum": (nl.minimum, np.min),
-          "multiply": (nl.multiply, np.prod)}
+REDUCE = {
+    "add": (nl.add, np.sum),
+    "maximum": (nl.maximum, np.max),
+    "minimum": (nl.minimum, np.min),
+    "multiply": (nl.multiply, np.prod),
+}
 
 
 @pytest.mark.parametrize("name", sorted(REDUCE))
@@ -915,9 +993,13 @@ def test_tensor_reduce_rules_and_bitvec():
         run(lambda t: nisa.tensor_reduce(dst=sb((32, 8), nl.float32), op=nl.add, data=t, axis=1), y)
 
 
-@pytest.mark.parametrize("name,op,ref", [
-    ("add", nl.add, np.sum), ("maximum", nl.maximum, np.max),
-])
+@pytest.mark.parametrize(
+    "name,op,ref",
+    [
+        ("add", nl.add, np.sum),
+        ("maximum", nl.maximum, np.max),
+    ],
+)
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 def test_tensor_partition_reduce(name, op, ref, dtype):
     x = rand((96, 40), dtype, -4, 4, seed=65)
@@ -951,13 +1033,35 @@ def test_tensor_scalar_reduce_commands_accumulate_across_calls():
     def body(a, b, c, i):
         d = sb(a.shape, nl.float32)
         r1, r2, r3 = (sb((64, 1), nl.float32) for _ in range(3))
-        nisa.tensor_scalar_reduce(dst=d, data=a, op0=nl.multiply, operand0=2.0, reduce_op=nl.add, reduce_res=r1,
-                                  reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        nisa.tensor_scalar_reduce(dst=d, data=b, op0=nl.multiply, operand0=2.0, reduce_op=nl.add, reduce_res=r2,
-                                  reduce_cmd=nisa.reduce_cmd.reduce)
+        nisa.tensor_scalar_reduce(
+            dst=d,
+            data=a,
+            op0=nl.multiply,
+            operand0=2.0,
+            reduce_op=nl.add,
+            reduce_res=r1,
+            reduce_cmd=nisa.reduce_cmd.reset_reduce,
+        )
+        nisa.tensor_scalar_reduce(
+            dst=d,
+            data=b,
+            op0=nl.multiply,
+            operand0=2.0,
+            reduce_op=nl.add,
+            reduce_res=r2,
+            reduce_cmd=nisa.reduce_cmd.reduce,
+        )
         d3 = sb(a.shape, nl.float32)
-        nisa.tensor_scalar_reduce(dst=d3, data=c, op0=nl.add, operand0=1.0, reduce_op=nl.add, reduce_res=r3,
-                                  reduce_cmd=nisa.reduce_cmd.load_reduce, reduce_init=i)
+        nisa.tensor_scalar_reduce(
+            dst=d3,
+            data=c,
+            op0=nl.add,
+            operand0=1.0,
+            reduce_op=nl.add,
+            reduce_res=r3,
+            reduce_cmd=nisa.reduce_cmd.load_reduce,
+            reduce_init=i,
+        )
         return d3, r1, r2, r3
 
     d3, r1, r2, r3 = run(body, x1, x2, x3, init)
@@ -969,8 +1073,10 @@ def test_tensor_scalar_reduce_commands_accumulate_across_calls():
     np.testing.assert_allclose(r3, f64(init) + (f64(x3) + 1).sum(1, keepdims=True), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("name,op,ref", [("maximum", nl.maximum, np.max), ("minimum", nl.minimum, np.min),
-                                         ("multiply", nl.multiply, np.prod)])
+@pytest.mark.parametrize(
+    "name,op,ref",
+    [("maximum", nl.maximum, np.max), ("minimum", nl.minimum, np.min), ("multiply", nl.multiply, np.prod)],
+)
 def test_tensor_scalar_reduce_other_reduce_ops(name, op, ref):
     # All-negative rows: a max reduction must not be clamped by a zero-initialised register.
     x = rand((32, 16), np.float32, -3, -0.9, seed=71) if name != "multiply" else rand((32, 16), np.float32, 0.9, 1.1)
@@ -997,8 +1103,9 @@ def test_tensor_tensor_scan(dtype):
         # r[i] = x[i] * r[i-1] + y[i]
         nisa.tensor_tensor_scan(dst=lin, data0=x, data1=y, initial=i, op0=nl.multiply, op1=nl.add)
         # r[i] = y[i] - (r[i-1] - x[i])
-        nisa.tensor_tensor_scan(dst=rev, data0=x, data1=y, initial=0.25, op0=nl.subtract, op1=nl.subtract,
-                                reverse0=True, reverse1=True)
+        nisa.tensor_tensor_scan(
+            dst=rev, data0=x, data1=y, initial=0.25, op0=nl.subtract, op1=nl.subtract, reverse0=True, reverse1=True
+        )
         return lin, rev
 
     lin, rev = run(body, a, b, init)
@@ -1021,11 +1128,13 @@ def test_tensor_scalar_cumulative():
     def body(t, u, s):
         outs = [sb(t.shape, nl.float32) for _ in range(5)]
         nisa.tensor_scalar_cumulative(dst=outs[0], src=t, op0=nl.multiply, op1=nl.add, imm0=0.5)
-        nisa.tensor_scalar_cumulative(dst=outs[1], src=u, op0=nl.multiply, op1=nl.add, imm0=0.5,
-                                      reduce_cmd=nisa.reduce_cmd.reduce)  # continues from outs[0][:, -1]
+        nisa.tensor_scalar_cumulative(
+            dst=outs[1], src=u, op0=nl.multiply, op1=nl.add, imm0=0.5, reduce_cmd=nisa.reduce_cmd.reduce
+        )  # continues from outs[0][:, -1]
         nisa.tensor_scalar_cumulative(dst=outs[2], src=t, op0=nl.add, op1=nl.maximum, imm0=1.0)
-        nisa.tensor_scalar_cumulative(dst=outs[3], src=t, op0=nl.add, op1=nl.add, imm0=0.0, imm1=s,
-                                      reduce_cmd=nisa.reduce_cmd.load_reduce)
+        nisa.tensor_scalar_cumulative(
+            dst=outs[3], src=t, op0=nl.add, op1=nl.add, imm0=0.0, imm1=s, reduce_cmd=nisa.reduce_cmd.load_reduce
+        )
         nisa.tensor_scalar_cumulative(dst=outs[4], src=t, op0=nl.multiply, op1=nl.subtract, imm0=1.0)
         return tuple(outs)
 
@@ -1067,20 +1176,38 @@ def _phi(x):
 
 
 ACT_REF = {
-    "copy": lambda x: x, "identity": lambda x: x, "negative": lambda x: -x, "abs": np.abs,
-    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x),
-    "reciprocal": lambda x: 1 / x, "square": lambda x: x * x,
-    "tanh": np.tanh, "sigmoid": _sig, "relu": lambda x: np.where(x > 0, x, 0.0),
+    "copy": lambda x: x,
+    "identity": lambda x: x,
+    "negative": lambda x: -x,
+    "abs": np.abs,
+    "exp": np.exp,
+    "log": np.log,
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1 / np.sqrt(x),
+    "reciprocal": lambda x: 1 / x,
+    "square": lambda x: x * x,
+    "tanh": np.tanh,
+    "sigmoid": _sig,
+    "relu": lambda x: np.where(x > 0, x, 0.0),
     "gelu": lambda x: 0.5 * x * (1 + _erf(x / math.sqrt(2))),
     "gelu_apprx_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))),
     "gelu_apprx_sigmoid": lambda x: x * _sig(1.702 * x),
     "gelu_dx": lambda x: 0.5 * (1 + _erf(x / math.sqrt(2))) + x * _phi(x),
     "gelu_apprx_sigmoid_dx": lambda x: _sig(1.702 * x) * (1 + 1.702 * x * (1 - _sig(1.702 * x))),
-    "silu": lambda x: x * _sig(x), "silu_dx": lambda x: _sig(x) * (1 + x * (1 - _sig(x))),
-    "softplus": _softplus, "mish": lambda x: x * np.tanh(_softplus(x)),
-    "erf": _erf, "erf_dx": lambda x: 2 / math.sqrt(math.pi) * np.exp(-x * x),
-    "sin": np.sin, "cos": np.cos, "tan": np.tan, "arctan": np.arctan,
-    "ceil": np.ceil, "floor": np.floor, "trunc": np.trunc, "sign": np.sign,
+    "silu": lambda x: x * _sig(x),
+    "silu_dx": lambda x: _sig(x) * (1 + x * (1 - _sig(x))),
+    "softplus": _softplus,
+    "mish": lambda x: x * np.tanh(_softplus(x)),
+    "erf": _erf,
+    "erf_dx": lambda x: 2 / math.sqrt(math.pi) * np.exp(-x * x),
+    "sin": np.sin,
+    "cos": np.cos,
+    "tan": np.tan,
+    "arctan": np.arctan,
+    "ceil": np.ceil,
+    "floor": np.floor,
+    "trunc": np.trunc,
+    "sign": np.sign,
     "softsign": lambda x: x / (1 + np.abs(x)),
 }
 ACT_DOMAIN = {"log": (0.05, 6), "sqrt": (0, 9), "rsqrt": (0.05, 9), "reciprocal": (0.2, 5), "tan": (-1.3, 1.3)}
@@ -1163,10 +1290,12 @@ def test_activation_reduce_registers_across_calls():
     def body(a, b):
         d1, d2 = sb(a.shape, nl.float32), sb(a.shape, nl.float32)
         r1, r2, r_idle, r_reset = (sb((64, 1), nl.float32) for _ in range(4))
-        nisa.activation(dst=d1, op=nl.exp, data=a, reduce_op=nl.add, reduce_res=r1,
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        nisa.activation(dst=d2, op=nl.square, data=b, reduce_op=nl.add, reduce_res=r2,
-                        reduce_cmd=nisa.reduce_cmd.reduce)
+        nisa.activation(
+            dst=d1, op=nl.exp, data=a, reduce_op=nl.add, reduce_res=r1, reduce_cmd=nisa.reduce_cmd.reset_reduce
+        )
+        nisa.activation(
+            dst=d2, op=nl.square, data=b, reduce_op=nl.add, reduce_res=r2, reduce_cmd=nisa.reduce_cmd.reduce
+        )
         # idle leaves the registers alone; reading them out again gives the same sum
         nisa.activation(dst=d2, op=nl.square, data=b, reduce_res=r_idle)
         nisa.activation(dst=d1, op=nl.exp, data=a, reduce_cmd=nisa.reduce_cmd.reset, reduce_res=r_reset)
@@ -1185,8 +1314,16 @@ def test_activation_reduce_registers_across_calls():
 def test_activation_reduce_only_adds():
     x = rand((8, 8), seed=88)
     with pytest.raises(nisa.NkiValidationError, match="nl.add"):
-        run(lambda t: nisa.activation(dst=sb(t.shape, nl.float32), op=nl.exp, data=t, reduce_op=nl.maximum,
-                                      reduce_cmd=nisa.reduce_cmd.reset_reduce), x)
+        run(
+            lambda t: nisa.activation(
+                dst=sb(t.shape, nl.float32),
+                op=nl.exp,
+                data=t,
+                reduce_op=nl.maximum,
+                reduce_cmd=nisa.reduce_cmd.reset_reduce,
+            ),
+            x,
+        )
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
@@ -1211,10 +1348,19 @@ def test_activate2_trn3_pipeline_and_target_check():
 
     def body(t, v):
         a, b, r = sb(t.shape, nl.float32), sb(t.shape, nl.float32), sb((64, 1), nl.float32)
-        nisa.activate2(dst=a, op=nl.gelu, data=t, imm0=2.0, imm1=v, op0=nl.multiply, op1=nl.add,
-                       reduce_op=nl.maximum, reduce_res=r, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        nisa.activate2(dst=b, op=nl.copy, data=t, imm0=1.0, imm1=0.0, op0=nl.subtract, op1=nl.bypass,
-                       reverse0=True)
+        nisa.activate2(
+            dst=a,
+            op=nl.gelu,
+            data=t,
+            imm0=2.0,
+            imm1=v,
+            op0=nl.multiply,
+            op1=nl.add,
+            reduce_op=nl.maximum,
+            reduce_res=r,
+            reduce_cmd=nisa.reduce_cmd.reset_reduce,
+        )
+        nisa.activate2(dst=b, op=nl.copy, data=t, imm0=1.0, imm1=0.0, op0=nl.subtract, op1=nl.bypass, reverse0=True)
         return a, b, r
 
     a, b, r = run(body, x, col, target="trn3")
@@ -1258,12 +1404,25 @@ def test_affine_select_causal_mask(dtype):
     def body(t):
         dst = sb(t.shape, t.dtype)
         # keep where (p - j) >= 0: the lower triangle, like np.tril
-        nisa.affine_select(dst=dst, pattern=[[-1, 128]], channel_multiplier=1, on_true_tile=t,
-                           on_false_value=-9984.0, cmp_op=nl.greater_equal)
+        nisa.affine_select(
+            dst=dst,
+            pattern=[[-1, 128]],
+            channel_multiplier=1,
+            on_true_tile=t,
+            on_false_value=-9984.0,
+            cmp_op=nl.greater_equal,
+        )
         shifted = sb(t.shape, nl.float32)
         # offset 16: keep where p + 16 - j > 0
-        nisa.affine_select(dst=shifted, pattern=[[-1, 128]], channel_multiplier=1, on_true_tile=t,
-                           on_false_value=FP32_MIN, cmp_op=nl.greater, offset=16)
+        nisa.affine_select(
+            dst=shifted,
+            pattern=[[-1, 128]],
+            channel_multiplier=1,
+            on_true_tile=t,
+            on_false_value=FP32_MIN,
+            cmp_op=nl.greater,
+            offset=16,
+        )
         return dst, shifted
 
     dst, shifted = run(body, x)
@@ -1296,8 +1455,17 @@ def test_range_select_bounds_and_max_reduce(dtype):
 
     def body(t, b0, b1):
         dst, red = sb(t.shape, t.dtype), sb((64, 1), nl.float32)
-        nisa.range_select(dst=dst, on_true_tile=t, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=b0,
-                          bound1=b1, reduce_op=nl.maximum, reduce_res=red, range_start=5)
+        nisa.range_select(
+            dst=dst,
+            on_true_tile=t,
+            comp_op0=nl.greater_equal,
+            comp_op1=nl.less,
+            bound0=b0,
+            bound1=b1,
+            reduce_op=nl.maximum,
+            reduce_res=red,
+            range_start=5,
+        )
         return dst, red
 
     dst, red = run(body, x, lo, hi)
@@ -1317,10 +1485,24 @@ def test_select_reduce():
     def body(t, p, f):
         a, b = sb(t.shape, nl.float32), sb(t.shape, nl.float32)
         ra, rb = sb((64, 1), nl.float32), sb((64, 1), nl.float32)
-        nisa.select_reduce(dst=a, predicate=p, on_true=t, on_false=-100.0, reduce_res=ra,
-                           reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_op=nl.maximum)
-        nisa.select_reduce(dst=b, predicate=p, on_true=t, on_false=f, reduce_res=rb,
-                           reduce_cmd=nisa.reduce_cmd.reset_reduce, reverse_pred=True)
+        nisa.select_reduce(
+            dst=a,
+            predicate=p,
+            on_true=t,
+            on_false=-100.0,
+            reduce_res=ra,
+            reduce_cmd=nisa.reduce_cmd.reset_reduce,
+            reduce_op=nl.maximum,
+        )
+        nisa.select_reduce(
+            dst=b,
+            predicate=p,
+            on_true=t,
+            on_false=f,
+            reduce_res=rb,
+            reduce_cmd=nisa.reduce_cmd.reset_reduce,
+            reverse_pred=True,
+        )
         return a, b, ra, rb
 
     a, b, ra, rb = run(body, x, pred, fallback)
@@ -1461,7 +1643,7 @@ def test_bn_stats_then_bn_aggr_mean_and_variance(dtype, width):
     def body(t):
         stats = sb((128, 6 * len(chunks)), nl.float32)
         for i, (start, size) in enumerate(chunks):
-            nisa.bn_stats(dst=stats[:, 6 * i:6 * i + 6], data=t[:, start:start + size])
+            nisa.bn_stats(dst=stats[:, 6 * i : 6 * i + 6], data=t[:, start : start + size])
         mv = sb((128, 2), nl.float32)
         nisa.bn_aggr(dst=mv, data=stats)
         return mv
@@ -1617,8 +1799,8 @@ def test_bf16_matmul_accumulates_in_fp32_psum():
         acc = ps((16, 32))
         for i in range(8):
             s, m = sb((128, 16), nl.bfloat16), sb((128, 32), nl.bfloat16)
-            nisa.dma_copy(dst=s, src=sta[i * 128:(i + 1) * 128, :])
-            nisa.dma_copy(dst=m, src=mov[i * 128:(i + 1) * 128, :])
+            nisa.dma_copy(dst=s, src=sta[i * 128 : (i + 1) * 128, :])
+            nisa.dma_copy(dst=m, src=mov[i * 128 : (i + 1) * 128, :])
             nisa.nc_matmul(dst=acc, stationary=s, moving=m)
         return _store(acc)
 
@@ -1634,6 +1816,7 @@ def test_bf16_matmul_accumulates_in_fp32_psum():
 
 def test_torch_bf16_io_matches_torch_rounding():
     import torch
+
     gen = torch.Generator().manual_seed(115)
     a = (torch.rand((64, 48), generator=gen) * 8 - 4).to(torch.bfloat16)
     b = (torch.rand((64, 48), generator=gen) * 8 - 4).to(torch.bfloat16)
@@ -1655,10 +1838,14 @@ def test_torch_bf16_io_matches_torch_rounding():
 # =============================================================================================
 # remaining ALU operators, stream shuffle, DMA compute, registers, target queries
 # =============================================================================================
-@pytest.mark.parametrize("name,ref", [
-    ("abs_min", lambda a, b: np.where(np.abs(a) < np.abs(b), a, b)),  # smaller magnitude; ties -> b
-    ("fmod", np.fmod), ("mod", np.mod),
-])
+@pytest.mark.parametrize(
+    "name,ref",
+    [
+        ("abs_min", lambda a, b: np.where(np.abs(a) < np.abs(b), a, b)),  # smaller magnitude; ties -> b
+        ("fmod", np.fmod),
+        ("mod", np.mod),
+    ],
+)
 def test_tensor_tensor_more_arithmetic_ops(name, ref):
     a = rand((64, 32), np.float32, 0.5, 20, seed=120)
     b = rand((64, 32), np.float32, 0.5, 4, seed=121)
@@ -1674,8 +1861,9 @@ def test_tensor_tensor_more_arithmetic_ops(name, ref):
     np.testing.assert_array_equal(run(body, a, b), ref(a, b).astype(np.float32))
 
 
-@pytest.mark.parametrize("name,ref", [("logical_and", np.logical_and), ("logical_or", np.logical_or),
-                                      ("logical_xor", np.logical_xor)])
+@pytest.mark.parametrize(
+    "name,ref", [("logical_and", np.logical_and), ("logical_or", np.logical_or), ("logical_xor", np.logical_xor)]
+)
 def test_tensor_tensor_logical_ops(name, ref):
     rng = np.random.default_rng(122)
     a = (rng.integers(0, 2, size=(32, 16)) * rng.uniform(0.5, 3, size=(32, 16))).astype(np.float32)
@@ -1775,10 +1963,8 @@ def test_activate2_prelu_uses_relu_param():
 
     def body(t, s):
         a, b = sb(t.shape, nl.float32), sb(t.shape, nl.float32)
-        nisa.activate2(dst=a, op=nl.prelu, data=t, imm0=1.0, imm1=0.0, op0=nl.bypass, op1=nl.bypass,
-                       relu_param=0.1)
-        nisa.activate2(dst=b, op=nl.prelu, data=t, imm0=2.0, imm1=0.0, op0=nl.multiply, op1=nl.bypass,
-                       relu_param=s)
+        nisa.activate2(dst=a, op=nl.prelu, data=t, imm0=1.0, imm1=0.0, op0=nl.bypass, op1=nl.bypass, relu_param=0.1)
+        nisa.activate2(dst=b, op=nl.prelu, data=t, imm0=2.0, imm1=0.0, op0=nl.multiply, op1=nl.bypass, relu_param=s)
         return a, b
 
     a, b = run(body, x, slope, target="trn3")
@@ -1787,9 +1973,20 @@ def test_activate2_prelu_uses_relu_param():
     np.testing.assert_array_equal(b, np.where(x2 >= 0, x2, x2 * slope))
 
 
-@pytest.mark.parametrize("name", ["nc_matmul_mx", "quantize_mx", "local_gather", "sequence_bounds",
-                                  "nonzero_with_count", "core_barrier", "sendrecv", "rand_set_state",
-                                  "rand_get_state"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "nc_matmul_mx",
+        "quantize_mx",
+        "local_gather",
+        "sequence_bounds",
+        "nonzero_with_count",
+        "core_barrier",
+        "sendrecv",
+        "rand_set_state",
+        "rand_get_state",
+    ],
+)
 def test_instructions_the_simulator_does_not_run_say_so(name):
     with pytest.raises(sim.SimulatorUnsupported, match=name):
         run(lambda: getattr(nisa, name)())
@@ -1860,11 +2057,16 @@ def test_tensor_reduce_accepts_nl_reduction_functions_as_op(op):
     np.testing.assert_allclose(run(body, x), ref(f64(x), axis=1, keepdims=True), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name,ref", [
-    ("add", lambda v: v.sum(1)), ("maximum", lambda v: v.max(1)), ("minimum", lambda v: v.min(1)),
-    ("abs_max", lambda v: np.take_along_axis(v, np.abs(v).argmax(1)[:, None], 1)[:, 0]),
-    ("abs_min", lambda v: np.take_along_axis(v, np.abs(v).argmin(1)[:, None], 1)[:, 0]),
-])
+@pytest.mark.parametrize(
+    "name,ref",
+    [
+        ("add", lambda v: v.sum(1)),
+        ("maximum", lambda v: v.max(1)),
+        ("minimum", lambda v: v.min(1)),
+        ("abs_max", lambda v: np.take_along_axis(v, np.abs(v).argmax(1)[:, None], 1)[:, 0]),
+        ("abs_min", lambda v: np.take_along_axis(v, np.abs(v).argmin(1)[:, None], 1)[:, 0]),
+    ],
+)
 def test_activate2_reduce_ops_reset_to_their_identity(name, ref):
     # Rows of large-magnitude values with one sign: a register reset to 0 (instead of the
     # operator's identity) would win every max/min/abs_min comparison.
@@ -1873,8 +2075,18 @@ def test_activate2_reduce_ops_reset_to_their_identity(name, ref):
 
     def body(t):
         d, r = sb(t.shape, nl.float32), sb((32, 1), nl.float32)
-        nisa.activate2(dst=d, op=nl.copy, data=t, imm0=1.0, imm1=0.0, op0=nl.bypass, op1=nl.bypass,
-                       reduce_op=getattr(nl, name), reduce_res=r, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.activate2(
+            dst=d,
+            op=nl.copy,
+            data=t,
+            imm0=1.0,
+            imm1=0.0,
+            op0=nl.bypass,
+            op1=nl.bypass,
+            reduce_op=getattr(nl, name),
+            reduce_res=r,
+            reduce_cmd=nisa.reduce_cmd.reset_reduce,
+        )
         return r
 
     np.testing.assert_allclose(run(body, x, target="trn3")[:, 0], ref(f64(x)), rtol=1e-6)

@@ -130,13 +130,39 @@ def test_on_chip_indexing_rule_examples():
         t = nl.ndarray((64, 4, 32), nl.float32, buffer=nl.sbuf)
         p = nl.ndarray((32, 8), nl.float32, buffer=nl.psum)
         h = nl.ndarray((128, 4, 32), nl.float32, buffer=nl.shared_hbm)
-        return (t[:, 0, 10].shape, t[0, :, :].shape, t[0, 0, 10].shape, t[:, 1].shape, t[..., 2].shape,
-                t[5].shape, h[0, :, :].shape, h[:, 0, 10].shape, h[0, 0, 10].shape, t[..., ::2].shape,
-                p[:, 3].shape, p[7, 3].shape, p[7].shape, p[nl.ds(8, 4), -1].shape)
+        return (
+            t[:, 0, 10].shape,
+            t[0, :, :].shape,
+            t[0, 0, 10].shape,
+            t[:, 1].shape,
+            t[..., 2].shape,
+            t[5].shape,
+            h[0, :, :].shape,
+            h[:, 0, 10].shape,
+            h[0, 0, 10].shape,
+            t[..., ::2].shape,
+            p[:, 3].shape,
+            p[7, 3].shape,
+            p[7].shape,
+            p[nl.ds(8, 4), -1].shape,
+        )
 
     assert sim.run(kernel, np.zeros((1, 1), np.float32)).outputs == (
-        (64, 1), (1, 4, 32), (1, 1), (64, 32), (64, 4), (1, 4, 32), (4, 32), (128,), (), (64, 4, 16),
-        (32, 1), (1, 1), (1, 8), (4, 1))
+        (64, 1),
+        (1, 4, 32),
+        (1, 1),
+        (64, 32),
+        (64, 4),
+        (1, 4, 32),
+        (4, 32),
+        (128,),
+        (),
+        (64, 4, 16),
+        (32, 1),
+        (1, 1),
+        (1, 8),
+        (4, 1),
+    )
 
 
 def test_integer_index_on_hbm_is_a_live_zero_d_view():
@@ -200,22 +226,22 @@ def test_flatten_dims_and_reshape_dim(data, shape):
     x = arange(shape)
     start = data.draw(st.integers(0, len(shape) - 1))
     end = data.draw(st.integers(start, len(shape) - 1))
-    merged = shape[:start] + (-1,) + shape[end + 1:]
+    merged = shape[:start] + (-1,) + shape[end + 1 :]
     np.testing.assert_array_equal(through_view(x, lambda t: t.flatten_dims(start, end)), x.reshape(merged))
     dim = data.draw(st.integers(0, len(shape) - 1))
     split = data.draw(regroupings(shape[dim]))
-    target = shape[:dim] + split + shape[dim + 1:]
+    target = shape[:dim] + split + shape[dim + 1 :]
     np.testing.assert_array_equal(through_view(x, lambda t: t.reshape_dim(dim, split)), x.reshape(target))
     if start >= 1:  # on chip: free dims only
-        np.testing.assert_array_equal(through_view(x, lambda t: t.flatten_dims(start, end), "sbuf"),
-                                      x.reshape(merged))
+        np.testing.assert_array_equal(through_view(x, lambda t: t.flatten_dims(start, end), "sbuf"), x.reshape(merged))
 
 
 def test_reshape_of_a_row_slice_and_of_a_strided_slice():
     x = arange((6, 8))
     np.testing.assert_array_equal(through_view(x, lambda t: t[2:5].reshape((-1,))), x[2:5].reshape(-1))
-    np.testing.assert_array_equal(through_view(x, lambda t: t[:, 0:4].reshape((6, 2, 2)), "sbuf"),
-                                  x[:, 0:4].reshape(6, 2, 2))
+    np.testing.assert_array_equal(
+        through_view(x, lambda t: t[:, 0:4].reshape((6, 2, 2)), "sbuf"), x[:, 0:4].reshape(6, 2, 2)
+    )
     with pytest.raises(sim.NkiValidationError, match=r"reshape: cannot view \[6, 3\] as \[18\] without copying"):
         through_view(x, lambda t: t[:, 0:8:3].reshape((18,)))
 
@@ -239,8 +265,9 @@ def test_broadcast_matches_numpy(data, shape):
     x = arange(src_shape)
     np.testing.assert_array_equal(through_view(x, lambda t: t.broadcast_to(shape)), np.broadcast_to(x, shape))
     np.testing.assert_array_equal(through_view(x, lambda t: t.broadcast_to(shape), "sbuf"), np.broadcast_to(x, shape))
-    np.testing.assert_array_equal(through_view(x, lambda t: nl.broadcast_to(t, shape), "sbuf"),
-                                  np.broadcast_to(x, shape))
+    np.testing.assert_array_equal(
+        through_view(x, lambda t: nl.broadcast_to(t, shape), "sbuf"), np.broadcast_to(x, shape)
+    )
     unit = [d for d, n in enumerate(src_shape) if n == 1 and d > 0]
     if unit:
         dim = data.draw(st.sampled_from(unit))
@@ -248,8 +275,9 @@ def test_broadcast_matches_numpy(data, shape):
         want = list(src_shape)
         want[dim] = size
         for buffer in ("hbm", "sbuf"):
-            np.testing.assert_array_equal(through_view(x, lambda t: t.broadcast(dim, size), buffer),
-                                          np.broadcast_to(x, want))
+            np.testing.assert_array_equal(
+                through_view(x, lambda t: t.broadcast(dim, size), buffer), np.broadcast_to(x, want)
+            )
 
 
 @PROPERTY
@@ -260,11 +288,13 @@ def test_expand_and_squeeze_dims(data, shape):
     np.testing.assert_array_equal(through_view(x, lambda t: t.expand_dims(axis)), np.expand_dims(x, axis))
     np.testing.assert_array_equal(through_view(x, lambda t: nl.expand_dims(t, axis)), np.expand_dims(x, axis))
     on_chip_axis = max(axis, 1)
-    np.testing.assert_array_equal(through_view(x, lambda t: t.expand_dim(on_chip_axis), "sbuf"),
-                                  np.expand_dims(x, on_chip_axis))
+    np.testing.assert_array_equal(
+        through_view(x, lambda t: t.expand_dim(on_chip_axis), "sbuf"), np.expand_dims(x, on_chip_axis)
+    )
     np.testing.assert_array_equal(through_view(x, lambda t: t.expand_dims(axis).squeeze_dim(axis)), x)
     np.testing.assert_array_equal(
-        through_view(x, lambda t: t.expand_dims(on_chip_axis).squeeze_dim(on_chip_axis), "sbuf"), x)
+        through_view(x, lambda t: t.expand_dims(on_chip_axis).squeeze_dim(on_chip_axis), "sbuf"), x
+    )
 
 
 # -- slice / select -----------------------------------------------------------------------------
@@ -295,10 +325,16 @@ def test_slice_and_select_match_numpy(data, shape):
 
 # -- reinterpreting dtypes ----------------------------------------------------------------------
 @pytest.mark.parametrize("buffer", ["hbm", "sbuf"])
-@pytest.mark.parametrize("src, dst, factor", [
-    (np.float32, BF16, 2), (np.float32, np.int32, 1), (np.float32, np.uint8, 4), (BF16, np.int16, 1),
-    (np.int32, np.uint16, 2),
-])
+@pytest.mark.parametrize(
+    "src, dst, factor",
+    [
+        (np.float32, BF16, 2),
+        (np.float32, np.int32, 1),
+        (np.float32, np.uint8, 4),
+        (BF16, np.int16, 1),
+        (np.int32, np.uint16, 2),
+    ],
+)
 def test_view_dtype_rescales_last_dim(buffer, src, dst, factor):
     x = (arange((4, 6)) * 1.37 - 5).astype(src)
     out = through_view(x, lambda t: t.view(dst), buffer)
@@ -456,16 +492,19 @@ def test_in_place_write_through_argument_view():
 
 
 # -- on-chip view rules -------------------------------------------------------------------------
-@pytest.mark.parametrize("make_view, pattern", [
-    (lambda t: t.permute((1, 0, 2)), r"permute: .*on-chip tensors keep dim 0 as the partition dim"),
-    (lambda t: t.select(0, 1), r"select: .*cannot drop the partition dim of an on-chip tensor"),
-    (lambda t: t[0:1].squeeze_dim(0), r"squeeze_dim: .*axis 0 is the partition dim"),
-    (lambda t: t.expand_dims(0), r"expand_dims: .*axis 0 is the partition dim"),
-    (lambda t: t.expand_dims(-4), r"expand_dims: .*axis 0 is the partition dim"),
-    (lambda t: t.select(-3, 0), r"select: .*cannot drop the partition dim"),
-    (lambda t: t.reshape((8, 3, 4)), r"reshape: .*dim 0 of an on-chip view must step exactly one partition"),
-    (lambda t: t[0:4:2], r"index: .*the partition dimension cannot be strided \(step=2\)"),
-])
+@pytest.mark.parametrize(
+    "make_view, pattern",
+    [
+        (lambda t: t.permute((1, 0, 2)), r"permute: .*on-chip tensors keep dim 0 as the partition dim"),
+        (lambda t: t.select(0, 1), r"select: .*cannot drop the partition dim of an on-chip tensor"),
+        (lambda t: t[0:1].squeeze_dim(0), r"squeeze_dim: .*axis 0 is the partition dim"),
+        (lambda t: t.expand_dims(0), r"expand_dims: .*axis 0 is the partition dim"),
+        (lambda t: t.expand_dims(-4), r"expand_dims: .*axis 0 is the partition dim"),
+        (lambda t: t.select(-3, 0), r"select: .*cannot drop the partition dim"),
+        (lambda t: t.reshape((8, 3, 4)), r"reshape: .*dim 0 of an on-chip view must step exactly one partition"),
+        (lambda t: t[0:4:2], r"index: .*the partition dimension cannot be strided \(step=2\)"),
+    ],
+)
 def test_on_chip_views_keep_the_partition_dim(make_view, pattern):
     with pytest.raises(sim.NkiValidationError, match=pattern):
         through_view(arange((4, 6, 4)), make_view, "sbuf")
@@ -509,8 +548,11 @@ def test_an_indirect_access_pattern_cannot_be_viewed_further():
         gathered[0:1]
         return out
 
-    with pytest.raises(sim.NkiValidationError, match=r"index: .*indirect \(vector_offset\) access pattern cannot be "
-                                                     r"viewed further"):
+    with pytest.raises(
+        sim.NkiValidationError,
+        match=r"index: .*indirect \(vector_offset\) access pattern cannot be "
+        r"viewed further",
+    ):
         sim.run(kernel, x)
 
     def gather_only(x):

@@ -24,9 +24,9 @@ class GatedMLPBenchmark(Benchmark):
         dtype = torch.float32 if on_cpu else torch.bfloat16
         hidden, inter, tokens = (256, 640, 128) if on_cpu else (HIDDEN, INTERMEDIATE, TOKENS)  # the simulator is slow
         self.x = torch.randn(tokens, hidden, dtype=dtype, device=self.device)
-        self.w_gate = torch.randn(inter, hidden, dtype=dtype, device=self.device) * hidden ** -0.5
-        self.w_up = torch.randn(inter, hidden, dtype=dtype, device=self.device) * hidden ** -0.5
-        self.w_down = torch.randn(hidden, inter, dtype=dtype, device=self.device) * inter ** -0.5
+        self.w_gate = torch.randn(inter, hidden, dtype=dtype, device=self.device) * hidden**-0.5
+        self.w_up = torch.randn(inter, hidden, dtype=dtype, device=self.device) * hidden**-0.5
+        self.w_down = torch.randn(hidden, inter, dtype=dtype, device=self.device) * inter**-0.5
         self.x_decode = self.x[:DECODE_TOKENS].contiguous()
 
     def benchmark_swiglu_prefill(self):

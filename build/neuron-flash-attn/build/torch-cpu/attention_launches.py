@@ -68,8 +68,11 @@ class Capacity:
         return self.kernels.resident_kv_bytes(keys, self.head_dim, self.itemsize) <= self.kernels.MAX_RESIDENT_KV_BYTES
 
     def backward_fits(self, queries: int, keys: int) -> bool:
-        return (self.forward_fits(keys) and self.kernels.resident_bwd_bytes(queries, keys, self.head_dim, self.itemsize)
-                <= self.kernels.MAX_RESIDENT_BWD_BYTES)
+        return (
+            self.forward_fits(keys)
+            and self.kernels.resident_bwd_bytes(queries, keys, self.head_dim, self.itemsize)
+            <= self.kernels.MAX_RESIDENT_BWD_BYTES
+        )
 
     def fits(self, queries: int, keys: int, backward: bool) -> bool:
         return self.backward_fits(queries, keys) if backward else self.forward_fits(keys)
@@ -92,8 +95,15 @@ class Capacity:
         return queries, keys
 
 
-def plan(sq: int, sk: int, causal: bool, window: int, segments: tuple[tuple[int, int], ...] | None,
-         capacity: Capacity, backward: bool) -> list[Launch]:
+def plan(
+    sq: int,
+    sk: int,
+    causal: bool,
+    window: int,
+    segments: tuple[tuple[int, int], ...] | None,
+    capacity: Capacity,
+    backward: bool,
+) -> list[Launch]:
     """The launches that together compute attention of ``sq`` queries over ``sk`` keys."""
     if segments is None:
         return _plan_dense(0, sq, sk, causal, window, capacity, backward)
@@ -120,8 +130,9 @@ def _packed_group(group: list[tuple[int, int]], causal: bool, window: int) -> La
     return Launch(first, last, first, last, causal, window, relative)
 
 
-def _plan_dense(base: int, sq: int, sk: int, causal: bool, window: int, capacity: Capacity,
-                backward: bool) -> list[Launch]:
+def _plan_dense(
+    base: int, sq: int, sk: int, causal: bool, window: int, capacity: Capacity, backward: bool
+) -> list[Launch]:
     """Queries ``base + [0, sq)`` against keys ``base + [0, sk)`` (a packed sequence has ``base``)."""
     if capacity.fits(sq, sk, backward):
         return [Launch(base, base + sq, base, base + sk, causal, window)]
@@ -153,6 +164,7 @@ def _dense_launch(base: int, q0: int, q1: int, k0: int, k1: int, offset: int, ca
 
 # --- running a plan -------------------------------------------------------------------------------------
 
+
 def _window_bias(launch: Launch, offset: int, device: torch.device) -> torch.Tensor:
     """The block's window cut as an additive fp32 bias [1, 1, queries, keys] (-inf drops)."""
     i = torch.arange(launch.q0, launch.q1, device=device)[:, None]
@@ -161,9 +173,8 @@ def _window_bias(launch: Launch, offset: int, device: torch.device) -> torch.Ten
     return torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))[None, None]
 
 
-def _block_bias(bias: torch.Tensor | None, launch: Launch, offset: int,
-                device: torch.device) -> torch.Tensor | None:
-    piece = None if bias is None else bias[:, :, launch.q0:launch.q1, launch.k0:launch.k1]
+def _block_bias(bias: torch.Tensor | None, launch: Launch, offset: int, device: torch.device) -> torch.Tensor | None:
+    piece = None if bias is None else bias[:, :, launch.q0 : launch.q1, launch.k0 : launch.k1]
     if launch.bias_window:
         window = _window_bias(launch, offset, device)
         piece = window if piece is None else piece + window
@@ -174,10 +185,20 @@ def _block(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return x[:, :, start:end].contiguous()
 
 
-def forward(kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            bias: torch.Tensor | None, scale: float, causal: bool, window: int, softcap: float,
-            segments: tuple[tuple[int, int], ...] | None, kernels: Any,
-            no_key_lse: float) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    kernel: Callable[..., Any],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    window: int,
+    softcap: float,
+    segments: tuple[tuple[int, int], ...] | None,
+    kernels: Any,
+    no_key_lse: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the whole attention from launches of ``kernel`` (the NKI forward)."""
     sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
     launches = plan(sq, sk, causal, window, segments, Capacity(kernels, d, k.element_size()), backward=False)
@@ -188,21 +209,44 @@ def forward(kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: tor
     lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
     for launch in launches:
         block_bias = _block_bias(bias, launch, offset, q.device)
-        block_out, block_lse = run_kernel(kernel, _block(q, launch.q0, launch.q1), _block(k, launch.k0, launch.k1),
-                                          _block(v, launch.k0, launch.k1), block_bias, scale, launch.causal,
-                                          launch.window, softcap, launch.segments)
+        block_out, block_lse = run_kernel(
+            kernel,
+            _block(q, launch.q0, launch.q1),
+            _block(k, launch.k0, launch.k1),
+            _block(v, launch.k0, launch.k1),
+            block_bias,
+            scale,
+            launch.causal,
+            launch.window,
+            softcap,
+            launch.segments,
+        )
         rows = slice(launch.q0, launch.q1)
         merged = torch.logaddexp(lse[:, :, rows], block_lse)
-        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
-                           + block_out.float() * torch.exp(block_lse - merged)[..., None])
+        out[:, :, rows] = (
+            out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
+            + block_out.float() * torch.exp(block_lse - merged)[..., None]
+        )
         lse[:, :, rows] = merged
     return out.to(q.dtype), lse.masked_fill(torch.isneginf(lse), no_key_lse)
 
 
-def backward(kernel: Callable[..., Any], grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, lse: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool,
-             window: int, softcap: float, segments: tuple[tuple[int, int], ...] | None,
-             kernels: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward(
+    kernel: Callable[..., Any],
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    window: int,
+    softcap: float,
+    segments: tuple[tuple[int, int], ...] | None,
+    kernels: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from launches of ``kernel`` (the NKI backward), each against the final out and lse."""
     sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
     launches = plan(sq, sk, causal, window, segments, Capacity(kernels, d, k.element_size()), backward=True)
@@ -215,10 +259,21 @@ def backward(kernel: Callable[..., Any], grad_out: torch.Tensor, q: torch.Tensor
     for launch in launches:
         queries, keys = (launch.q0, launch.q1), (launch.k0, launch.k1)
         block_dq, block_dk, block_dv = run_kernel(
-            kernel, _block(q, *queries), _block(k, *keys), _block(v, *keys), _block(out, *queries),
-            _block(grad_out, *queries), lse[:, :, launch.q0:launch.q1].contiguous(),
-            _block_bias(bias, launch, offset, q.device), scale, launch.causal, launch.window, softcap, launch.segments)
-        dq[:, :, launch.q0:launch.q1] += block_dq.float()
-        dk[:, :, launch.k0:launch.k1] += block_dk.float()
-        dv[:, :, launch.k0:launch.k1] += block_dv.float()
+            kernel,
+            _block(q, *queries),
+            _block(k, *keys),
+            _block(v, *keys),
+            _block(out, *queries),
+            _block(grad_out, *queries),
+            lse[:, :, launch.q0 : launch.q1].contiguous(),
+            _block_bias(bias, launch, offset, q.device),
+            scale,
+            launch.causal,
+            launch.window,
+            softcap,
+            launch.segments,
+        )
+        dq[:, :, launch.q0 : launch.q1] += block_dq.float()
+        dk[:, :, launch.k0 : launch.k1] += block_dk.float()
+        dv[:, :, launch.k0 : launch.k1] += block_dv.float()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -26,8 +26,14 @@ def _symbolic(node: ast.AST, env: dict) -> Any:
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
         left, right = _symbolic(node.left, env), _symbolic(node.right, env)
         return None if left is None or right is None else ("mul", frozenset((left, right)))
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "self" and len(node.args) == 1 and not node.keywords):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
         arg = _symbolic(node.args[0], env)
         return None if arg is None else ("call", node.func.attr, arg)
     return None
@@ -64,8 +70,15 @@ def gated_mlp_form(cls: type) -> tuple[str, str] | None:
     if not isinstance(function, ast.FunctionDef):
         return None
     args = function.args
-    if ([a.arg for a in args.args][:1] != ["self"] or len(args.args) != 2 or args.vararg or args.kwarg
-            or args.kwonlyargs or args.posonlyargs or args.defaults):
+    if (
+        [a.arg for a in args.args][:1] != ["self"]
+        or len(args.args) != 2
+        or args.vararg
+        or args.kwarg
+        or args.kwonlyargs
+        or args.posonlyargs
+        or args.defaults
+    ):
         return None
     env: dict = {args.args[1].arg: ("x",)}
     result = None

@@ -38,12 +38,16 @@ from .mlp_structure import STRUCTURES, gated_mlp_form
 # order of gated_mlp's weights (None: the fused gate_up has no up).
 _STRUCTURE = {"GatedMLP": "gated_mlp", "GatedMLPFusedGateUp": "gated_mlp_fused"}
 _PROJECTIONS: dict[str, tuple[str, str | None, str]] = {
-    "GatedMLP": ("gate_proj", "up_proj", "down_proj"), "GatedMLPFusedGateUp": ("gate_up_proj", None, "down_proj")}
+    "GatedMLP": ("gate_proj", "up_proj", "down_proj"),
+    "GatedMLPFusedGateUp": ("gate_up_proj", None, "down_proj"),
+}
 _ACTIVATIONS = ("act_fn", "activation_fn")
-LIMITS = (f"a forward computing down(act(gate(x)) * up(x)) (read from its source); projections without bias: "
-          f"plain nn.Linear, PEFT LoRA over one, or tensor-parallel shards; hidden size up to {max_hidden('bfloat16')} "
-          f"(bf16/fp16) or {max_hidden('float32')} (fp32) in the compute dtype; intermediate size up to "
-          f"{MAX_INTERMEDIATE}; SiLU or tanh-GELU activation")
+LIMITS = (
+    f"a forward computing down(act(gate(x)) * up(x)) (read from its source); projections without bias: "
+    f"plain nn.Linear, PEFT LoRA over one, or tensor-parallel shards; hidden size up to {max_hidden('bfloat16')} "
+    f"(bf16/fp16) or {max_hidden('float32')} (fp32) in the compute dtype; intermediate size up to "
+    f"{MAX_INTERMEDIATE}; SiLU or tanh-GELU activation"
+)
 
 
 def computes(layer: str, cls: type) -> bool:
@@ -123,10 +127,13 @@ def _peft_lora_linear(linear: Any, what: str) -> Projection | str:
             return f"{what}: LoRA adapter {adapter!r} has a bias (the kernel adds none)"
         dropout = linear.lora_dropout[adapter]
         if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
-            return (f"{what}: LoRA adapter {adapter!r} has dropout {dropout.p} in training, which applies to the "
-                    "adapter's input alone and cannot be merged into the weight (lora_dropout=0 keeps the kernel)")
-        updates.append(LowRankUpdate(linear.lora_A[adapter].weight, linear.lora_B[adapter].weight,
-                                     float(linear.scaling[adapter])))
+            return (
+                f"{what}: LoRA adapter {adapter!r} has dropout {dropout.p} in training, which applies to the "
+                "adapter's input alone and cannot be merged into the weight (lora_dropout=0 keeps the kernel)"
+            )
+        updates.append(
+            LowRankUpdate(linear.lora_A[adapter].weight, linear.lora_B[adapter].weight, float(linear.scaling[adapter]))
+        )
     return Projection(base.weight, tuple(updates))
 
 
@@ -154,8 +161,10 @@ def _projection(module: nn.Module, attribute: str) -> Projection | str:
 # The two tensor-parallel styles the fused layer reproduces, by how they split the weight: column-parallel
 # (rows split; replicated input, output split by features, local output) and row-parallel (columns split;
 # input split by features, replicated output, local output). Sequence parallelism and other layouts are not.
-_STANDARD_STYLES = {"rows": ("ColwiseParallel", "Replicate()", "Shard(dim=-1)"),
-                    "columns": ("RowwiseParallel", "Shard(dim=-1)", "Replicate()")}
+_STANDARD_STYLES = {
+    "rows": ("ColwiseParallel", "Replicate()", "Shard(dim=-1)"),
+    "columns": ("RowwiseParallel", "Shard(dim=-1)", "Replicate()"),
+}
 
 
 def _tensor_parallel_shard(linear: nn.Module) -> Projection | None:
@@ -180,14 +189,22 @@ def _tensor_parallel_shard(linear: nn.Module) -> Projection | None:
             for value in _closure(hook):
                 if isinstance(value, functools.partial) and value.func.__qualname__.startswith(f"{style}._prepare_"):
                     layouts[value.func.__qualname__.rpartition(".")[2]] = value.args
-        standard = (len(hooks) == 2 and _placements(layouts.get("_prepare_input_fn", ((),))[0]) == inputs
-                    and layouts.get("_prepare_output_fn", ((), False))[1] is True
-                    and _placements(layouts["_prepare_output_fn"][0]) == outputs)
+        standard = (
+            len(hooks) == 2
+            and _placements(layouts.get("_prepare_input_fn", ((),))[0]) == inputs
+            and layouts.get("_prepare_output_fn", ((), False))[1] is True
+            and _placements(layouts["_prepare_output_fn"][0]) == outputs
+        )
     elif forward is not None and not hooks:  # transformers: the style object in the replaced forward's closure
-        styles = [v for v in _closure(forward) if type(v).__name__ == style
-                  and type(v).__module__.startswith("transformers.")]
-        standard = (len(styles) == 1 and _placements(styles[0].input_layouts) == inputs
-                    and _placements(styles[0].output_layouts) == outputs and styles[0].use_local_output is True)
+        styles = [
+            v for v in _closure(forward) if type(v).__name__ == style and type(v).__module__.startswith("transformers.")
+        ]
+        standard = (
+            len(styles) == 1
+            and _placements(styles[0].input_layouts) == inputs
+            and _placements(styles[0].output_layouts) == outputs
+            and styles[0].use_local_output is True
+        )
     else:
         standard = False
     return Projection(weight.to_local(), (), split, weight.device_mesh) if standard else None
@@ -243,8 +260,9 @@ def _resolve(layer: str, module: nn.Module, x: torch.Tensor | None, structure: b
     return reasons or _Plan(*projections, kind, mesh)
 
 
-def _tensor_parallel_mesh(name: str, layer: str,
-                          projections: tuple[Projection | None, ...]) -> tuple[object, list[str]]:
+def _tensor_parallel_mesh(
+    name: str, layer: str, projections: tuple[Projection | None, ...]
+) -> tuple[object, list[str]]:
     """The mesh when the projections are a complete tensor-parallel MLP (gate/up split by rows, down by
     columns, one mesh), None when none is sharded, else why not."""
     present = [p for p in projections if p is not None]
@@ -254,8 +272,10 @@ def _tensor_parallel_mesh(name: str, layer: str,
     splits = [None if p is None else p.split for p in projections]
     meshes = {p.mesh for p in present}
     if splits != expected or len(meshes) != 1:
-        return None, [f"{name}'s weights are DTensors sharded in a way other than tensor parallelism's "
-                      "column-parallel gate/up and row-parallel down on one mesh"]
+        return None, [
+            f"{name}'s weights are DTensors sharded in a way other than tensor parallelism's "
+            "column-parallel gate/up and row-parallel down on one mesh"
+        ]
     if layer == "GatedMLPFusedGateUp":
         return None, [f"{name}: a row-split fused gate_up weight would mix gate and up rows across ranks"]
     return meshes.pop(), []
@@ -273,18 +293,25 @@ def _limits(name: str, named_weights: dict[str, torch.Tensor], x: torch.Tensor |
         return [f"{name}'s projections have mixed dtypes {sorted(map(dtype_name, dtypes))}"]
     if x is not None and autocast_dtype(x) is None and x.dtype not in dtypes:  # the module itself would raise
         return [f"the input's dtype {x.dtype} differs from the weights' {weights[0].dtype}"]
-    reasons = [f"{name}'s weights have dtype {w.dtype} (the kernel takes float32, bfloat16, float16)"
-               for w in weights[:1] if w.dtype not in SUPPORTED_FLOAT_DTYPES]
+    reasons = [
+        f"{name}'s weights have dtype {w.dtype} (the kernel takes float32, bfloat16, float16)"
+        for w in weights[:1]
+        if w.dtype not in SUPPORTED_FLOAT_DTYPES
+    ]
     if reasons or compute not in SUPPORTED_FLOAT_DTYPES:
         return reasons or [f"compute dtype {compute} (the kernel takes float32, bfloat16, float16)"]
     hidden, intermediate = weights[-1].shape
     if hidden > max_hidden(dtype_name(compute)):
-        reasons.append(f"hidden size {hidden} is above the kernel's {max_hidden(dtype_name(compute))} for "
-                       f"{dtype_name(compute)}")
+        reasons.append(
+            f"hidden size {hidden} is above the kernel's {max_hidden(dtype_name(compute))} for {dtype_name(compute)}"
+        )
     if intermediate > MAX_INTERMEDIATE:
         reasons.append(f"intermediate size {intermediate} is above the kernel's {MAX_INTERMEDIATE}")
-    reasons += [f"{name}.{attribute}.weight is not contiguous" for attribute, w in named_weights.items()
-                if not w.is_contiguous()]
+    reasons += [
+        f"{name}.{attribute}.weight is not contiguous"
+        for attribute, w in named_weights.items()
+        if not w.is_contiguous()
+    ]
     return reasons
 
 

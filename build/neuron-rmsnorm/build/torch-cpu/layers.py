@@ -18,10 +18,15 @@ from ._backend import SUPPORTED_FLOAT_DTYPES, is_dtensor, own_forward
 from .rmsnorm import MAX_HIDDEN, MIN_HIDDEN, rms_norm
 
 # Each layer: the module attribute holding epsilon and the rms_norm convention it computes.
-_LAYERS = {"RMSNorm": ("variance_epsilon", "llama"), "GemmaRMSNorm": ("eps", "gemma"),
-           "RMSNormFP32Multiply": ("variance_epsilon", "fp32_multiply")}
-LIMITS = (f"a 1-D weight of hidden size {MIN_HIDDEN}..{MAX_HIDDEN}; float32, bfloat16 or float16 input and weight; "
-          "the epsilon attribute the layer reads")
+_LAYERS = {
+    "RMSNorm": ("variance_epsilon", "llama"),
+    "GemmaRMSNorm": ("eps", "gemma"),
+    "RMSNormFP32Multiply": ("variance_epsilon", "fp32_multiply"),
+}
+LIMITS = (
+    f"a 1-D weight of hidden size {MIN_HIDDEN}..{MAX_HIDDEN}; float32, bfloat16 or float16 input and weight; "
+    "the epsilon attribute the layer reads"
+)
 
 
 def _tensor_reasons(name: str, tensor: torch.Tensor) -> list[str]:

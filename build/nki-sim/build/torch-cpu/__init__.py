@@ -37,10 +37,28 @@ from .targets import TARGETS, Target
 from .trace import Instruction, Region, Trace
 
 __all__ = [
-    "install", "uninstall", "real_nki_available", "FORCE_ENV_VAR",
-    "jit", "simulate", "run", "capture", "Kernel", "SimResult", "Trace", "Instruction", "Region",
-    "Target", "TARGETS", "NkiValidationError", "CapacityError", "CapacityWarning", "SimulatorUnsupported",
-    "NoActiveKernel", "isa", "language",
+    "install",
+    "uninstall",
+    "real_nki_available",
+    "FORCE_ENV_VAR",
+    "jit",
+    "simulate",
+    "run",
+    "capture",
+    "Kernel",
+    "SimResult",
+    "Trace",
+    "Instruction",
+    "Region",
+    "Target",
+    "TARGETS",
+    "NkiValidationError",
+    "CapacityError",
+    "CapacityWarning",
+    "SimulatorUnsupported",
+    "NoActiveKernel",
+    "isa",
+    "language",
 ]
 
 FORCE_ENV_VAR = "KERNELS_NEURON_FORCE_SIM"

@@ -59,13 +59,23 @@ float8_e4m3fn_x4 = SpecialDType("float8_e4m3fn_x4", np.uint32, 4)
 float4_e2m1fn_x4 = SpecialDType("float4_e2m1fn_x4", np.uint32, 4)
 
 _BY_NAME: dict[str, DType] = {
-    "bool": bool_, "bool_": bool_,
-    "int8": int8, "int16": int16, "int32": int32,
-    "uint8": uint8, "uint16": uint16, "uint32": uint32,
-    "float16": float16, "float32": float32, "bfloat16": bfloat16,
-    "float8_e4m3": float8_e4m3, "float8_e4m3fn": float8_e4m3fn, "float8_e5m2": float8_e5m2,
+    "bool": bool_,
+    "bool_": bool_,
+    "int8": int8,
+    "int16": int16,
+    "int32": int32,
+    "uint8": uint8,
+    "uint16": uint16,
+    "uint32": uint32,
+    "float16": float16,
+    "float32": float32,
+    "bfloat16": bfloat16,
+    "float8_e4m3": float8_e4m3,
+    "float8_e4m3fn": float8_e4m3fn,
+    "float8_e5m2": float8_e5m2,
     "tfloat32": tfloat32,
-    "float8_e5m2_x4": float8_e5m2_x4, "float8_e4m3fn_x4": float8_e4m3fn_x4,
+    "float8_e5m2_x4": float8_e5m2_x4,
+    "float8_e4m3fn_x4": float8_e4m3fn_x4,
     "float4_e2m1fn_x4": float4_e2m1fn_x4,
 }
 _SUPPORTED_NUMPY = {d for d in _BY_NAME.values() if isinstance(d, np.dtype)}
@@ -190,8 +200,11 @@ def torch_to_numpy(t: Any) -> np.ndarray:
     if t.device.type != "cpu":
         raise TypeError(f"the NKI simulator runs on CPU tensors; got a tensor on {t.device}")
     t = t.detach()
-    bits = {torch.bfloat16: (torch.int16, bfloat16), torch.float8_e4m3fn: (torch.uint8, float8_e4m3fn),
-            torch.float8_e5m2: (torch.uint8, float8_e5m2)}.get(t.dtype)
+    bits = {
+        torch.bfloat16: (torch.int16, bfloat16),
+        torch.float8_e4m3fn: (torch.uint8, float8_e4m3fn),
+        torch.float8_e5m2: (torch.uint8, float8_e5m2),
+    }.get(t.dtype)
     if bits is not None:
         return np.from_dlpack(t.view(bits[0])).view(bits[1])
     return np.from_dlpack(t)
@@ -202,8 +215,11 @@ def numpy_to_torch(a: np.ndarray) -> Any:
     torch lacks, as a float32 copy)."""
     import torch
 
-    bits = {bfloat16: (np.int16, torch.bfloat16), float8_e4m3fn: (np.uint8, torch.float8_e4m3fn),
-            float8_e5m2: (np.uint8, torch.float8_e5m2)}.get(a.dtype)
+    bits = {
+        bfloat16: (np.int16, torch.bfloat16),
+        float8_e4m3fn: (np.uint8, torch.float8_e4m3fn),
+        float8_e5m2: (np.uint8, torch.float8_e5m2),
+    }.get(a.dtype)
     if bits is not None:
         return torch.from_numpy(a.view(bits[0])).view(bits[1])
     if a.dtype == float8_e4m3:  # IEEE-style e4m3 has no torch dtype

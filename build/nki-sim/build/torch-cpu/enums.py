@@ -33,7 +33,12 @@ class engine(_NkiEnum):
 
 
 tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
-    engine.tensor, engine.vector, engine.scalar, engine.gpsimd, engine.unknown)
+    engine.tensor,
+    engine.vector,
+    engine.scalar,
+    engine.gpsimd,
+    engine.unknown,
+)
 
 
 class reduce_cmd(_NkiEnum):

@@ -44,13 +44,13 @@ def tiled_matmul(lhs_t, rhs):
             acc = nl.ndarray((m, n), nl.float32, buffer=nl.psum)
             for k0, k in _tiles(k_total, P):
                 stationary = nl.ndarray((k, m), lhs_t.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=stationary, src=lhs_t[k0:k0 + k, m0:m0 + m])
+                nisa.dma_copy(dst=stationary, src=lhs_t[k0 : k0 + k, m0 : m0 + m])
                 moving = nl.ndarray((k, n), rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=moving, src=rhs[k0:k0 + k, n0:n0 + n])
+                nisa.dma_copy(dst=moving, src=rhs[k0 : k0 + k, n0 : n0 + n])
                 nisa.nc_matmul(dst=acc, stationary=stationary, moving=moving)
             result = nl.ndarray((m, n), lhs_t.dtype, buffer=nl.sbuf)
             nisa.tensor_copy(dst=result, src=acc)
-            nisa.dma_copy(dst=out[m0:m0 + m, n0:n0 + n], src=result)
+            nisa.dma_copy(dst=out[m0 : m0 + m, n0 : n0 + n], src=result)
     return out
 
 
@@ -71,12 +71,12 @@ def transpose_2d(x):
     for r0, r in _tiles(rows, P):
         for c0, c in _tiles(cols, P):
             block = nl.ndarray((r, c), x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=block, src=x[r0:r0 + r, c0:c0 + c])
+            nisa.dma_copy(dst=block, src=x[r0 : r0 + r, c0 : c0 + c])
             flipped = nl.ndarray((c, r), x.dtype, buffer=nl.psum)
             nisa.nc_transpose(dst=flipped, data=block)
             evicted = nl.ndarray((c, r), x.dtype, buffer=nl.sbuf)
             nisa.tensor_copy(dst=evicted, src=flipped)
-            nisa.dma_copy(dst=out[c0:c0 + c, r0:r0 + r], src=evicted)
+            nisa.dma_copy(dst=out[c0 : c0 + c, r0 : r0 + r], src=evicted)
     return out
 
 
@@ -96,7 +96,7 @@ def row_softmax(x):
     out = nl.ndarray((rows, cols), x.dtype, buffer=nl.shared_hbm)
     for r0, r in _tiles(rows, P):
         tile = nl.ndarray((r, cols), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=x[r0:r0 + r, :])
+        nisa.dma_copy(dst=tile, src=x[r0 : r0 + r, :])
         neg_max = nl.ndarray((r, 1), nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=tile, axis=1, negate=True)
         exps = nl.ndarray((r, cols), nl.float32, buffer=nl.sbuf)
@@ -106,7 +106,7 @@ def row_softmax(x):
         nisa.reciprocal(dst=inverse, data=total)
         result = nl.ndarray((r, cols), x.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=result, data=exps, op0=nl.multiply, operand0=inverse)
-        nisa.dma_copy(dst=out[r0:r0 + r, :], src=result)
+        nisa.dma_copy(dst=out[r0 : r0 + r, :], src=result)
     return out
 
 
@@ -137,28 +137,28 @@ def layernorm(x, gamma, beta, eps):
         spread = nl.ndarray((P, cols), nl.float32, buffer=nl.sbuf)
         for c0, c in _tiles(cols, MATMUL_N_TILE):
             bank = nl.ndarray((P, c), nl.float32, buffer=nl.psum)
-            nisa.nc_matmul(dst=bank, stationary=ones, moving=row[:, c0:c0 + c])
-            nisa.tensor_copy(dst=spread[:, c0:c0 + c], src=bank)
+            nisa.nc_matmul(dst=bank, stationary=ones, moving=row[:, c0 : c0 + c])
+            nisa.tensor_copy(dst=spread[:, c0 : c0 + c], src=bank)
         affine.append(spread)
     gamma_all, beta_all = affine
     for r0, r in _tiles(rows, P):
         tile = nl.ndarray((r, cols), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=x[r0:r0 + r, :])
+        nisa.dma_copy(dst=tile, src=x[r0 : r0 + r, :])
         stats = nl.ndarray((r, 6 * len(chunks)), nl.float32, buffer=nl.sbuf)
         for i, (c0, c) in enumerate(chunks):
-            nisa.bn_stats(dst=stats[:, 6 * i:6 * i + 6], data=tile[:, c0:c0 + c])
+            nisa.bn_stats(dst=stats[:, 6 * i : 6 * i + 6], data=tile[:, c0 : c0 + c])
         moments = nl.ndarray((r, 2), nl.float32, buffer=nl.sbuf)
         nisa.bn_aggr(dst=moments, data=stats)
         rstd = nl.ndarray((r, 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=rstd, data=moments[:, 1:2], op0=nl.add, operand0=float(eps),
-                           op1=nl.rsqrt, operand1=0.0)
+        nisa.tensor_scalar(dst=rstd, data=moments[:, 1:2], op0=nl.add, operand0=float(eps), op1=nl.rsqrt, operand1=0.0)
         normed = nl.ndarray((r, cols), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=normed, data=tile, op0=nl.subtract, operand0=moments[:, 0:1],
-                           op1=nl.multiply, operand1=rstd)
+        nisa.tensor_scalar(
+            dst=normed, data=tile, op0=nl.subtract, operand0=moments[:, 0:1], op1=nl.multiply, operand1=rstd
+        )
         nisa.tensor_tensor(dst=normed, data1=normed, data2=gamma_all[:r, :], op=nl.multiply)
         result = nl.ndarray((r, cols), x.dtype, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=result, data1=normed, data2=beta_all[:r, :], op=nl.add)
-        nisa.dma_copy(dst=out[r0:r0 + r, :], src=result)
+        nisa.dma_copy(dst=out[r0 : r0 + r, :], src=result)
     return out
 
 
@@ -182,12 +182,12 @@ def spmd_scaled_add(a, b, alpha):
     r0 = nl.program_id(0) * P
     r = min(P, rows - r0)
     ta = nl.ndarray((r, cols), a.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ta, src=a[r0:r0 + r, :])
+    nisa.dma_copy(dst=ta, src=a[r0 : r0 + r, :])
     tb = nl.ndarray((r, cols), b.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tb, src=b[r0:r0 + r, :])
+    nisa.dma_copy(dst=tb, src=b[r0 : r0 + r, :])
     result = nl.ndarray((r, cols), a.dtype, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=result, data=tb, op0=nl.multiply, operand0=float(alpha), op1=nl.add, operand1=ta)
-    nisa.dma_copy(dst=out[r0:r0 + r, :], src=result)
+    nisa.dma_copy(dst=out[r0 : r0 + r, :], src=result)
     return out
 
 

@@ -34,16 +34,56 @@ from .ops import BYPASS, Op, as_activation, as_alu
 from .tensor import Tensor
 
 __all__ = [
-    "engine", "reduce_cmd", "dge_mode", "oob_mode", "matmul_perf_mode", "nc_version", "dma_engine",
-    "NkiValidationError", "VirtualRegister", "get_nc_version",
-    "dma_copy", "dma_transpose", "tensor_copy", "tensor_copy_predicated", "memset",
-    "nc_matmul", "nc_transpose", "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor",
-    "reciprocal", "tensor_reduce", "tensor_scalar_reduce", "tensor_partition_reduce",
-    "tensor_tensor_scan", "tensor_scalar_cumulative", "activation", "activation_reduce", "activate2",
-    "iota", "affine_select", "range_select", "select_reduce", "max8", "nc_find_index8",
-    "nc_match_replace8", "nc_n_gather", "nc_stream_shuffle", "bn_stats", "bn_aggr", "exponential",
-    "rng", "rand2", "set_rng_seed", "dropout", "dma_compute",
-    "register_alloc", "register_move", "register_load", "register_store",
+    "engine",
+    "reduce_cmd",
+    "dge_mode",
+    "oob_mode",
+    "matmul_perf_mode",
+    "nc_version",
+    "dma_engine",
+    "NkiValidationError",
+    "VirtualRegister",
+    "get_nc_version",
+    "dma_copy",
+    "dma_transpose",
+    "tensor_copy",
+    "tensor_copy_predicated",
+    "memset",
+    "nc_matmul",
+    "nc_transpose",
+    "tensor_tensor",
+    "tensor_scalar",
+    "scalar_tensor_tensor",
+    "reciprocal",
+    "tensor_reduce",
+    "tensor_scalar_reduce",
+    "tensor_partition_reduce",
+    "tensor_tensor_scan",
+    "tensor_scalar_cumulative",
+    "activation",
+    "activation_reduce",
+    "activate2",
+    "iota",
+    "affine_select",
+    "range_select",
+    "select_reduce",
+    "max8",
+    "nc_find_index8",
+    "nc_match_replace8",
+    "nc_n_gather",
+    "nc_stream_shuffle",
+    "bn_stats",
+    "bn_aggr",
+    "exponential",
+    "rng",
+    "rand2",
+    "set_rng_seed",
+    "dropout",
+    "dma_compute",
+    "register_alloc",
+    "register_move",
+    "register_load",
+    "register_store",
 ]
 
 
@@ -68,8 +108,7 @@ def _dma_read(src: Tensor, instr: str, skip: bool) -> tuple[np.ndarray, np.ndarr
 
 
 def _dma_write(dst: Tensor, values: np.ndarray, instr: str, skip: bool, keep: np.ndarray | None) -> None:
-    values = dtypes.cast(values.astype(np.float32) if values.dtype != dtypes.storage(dst.dtype) else values,
-                         dst.dtype)
+    values = dtypes.cast(values.astype(np.float32) if values.dtype != dtypes.storage(dst.dtype) else values, dst.dtype)
     if dst._indirect is None:
         if keep is not None and not keep.all():
             current = np.asarray(dst.read()).reshape(values.shape)
@@ -94,8 +133,15 @@ def _contiguous_bytes(t: Tensor) -> int:
     return run
 
 
-def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode = oob_mode.error,
-             dge_mode: dge_mode = dge_mode.unknown, engine: engine = engine.unknown, name: str | None = None) -> None:
+def dma_copy(
+    dst: Tensor,
+    src: Tensor,
+    priority: Any = None,
+    oob_mode: oob_mode = oob_mode.error,
+    dge_mode: dge_mode = dge_mode.unknown,
+    engine: engine = engine.unknown,
+    name: str | None = None,
+) -> None:
     """Copy ``src`` to ``dst`` with a DMA engine (HBM or SBUF on either side), casting via fp32."""
     instr = "nisa.dma_copy"
     dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
@@ -110,8 +156,13 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
     if dge_mode == _DGE.hwdge and not run.target.has_hwdge:
         raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=run.target.name)
     if dge_mode == _DGE.hwdge and src.dtype != dst.dtype:
-        raise rule(instr, "dge_mode", "hardware DGE cannot convert dtypes; view src as dst's dtype or use swdge",
-                   src=dtypes.name(src.dtype), dst=dtypes.name(dst.dtype))
+        raise rule(
+            instr,
+            "dge_mode",
+            "hardware DGE cannot convert dtypes; view src as dst's dtype or use swdge",
+            src=dtypes.name(src.dtype),
+            dst=dtypes.name(dst.dtype),
+        )
     skip = oob_mode == _OOB.skip
     values, inside = _dma_read(src, instr, skip)
     if src.dtype != dst.dtype:
@@ -120,8 +171,13 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
     parts = (dst if dst.on_chip else src).partition_size  # 1 for HBM on both sides
     hbm_side = src if not src.on_chip else dst
     run.record(
-        "dma", "dma_copy", reads=[("src", src)], writes=[("dst", dst)], bytes_moved=dst.nbytes,
-        partitions=parts, bytes_per_partition=dst.nbytes // max(parts, 1),
+        "dma",
+        "dma_copy",
+        reads=[("src", src)],
+        writes=[("dst", dst)],
+        bytes_moved=dst.nbytes,
+        partitions=parts,
+        bytes_per_partition=dst.nbytes // max(parts, 1),
         contiguous_bytes=_contiguous_bytes(hbm_side) if hbm_side._indirect is None else dtypes.itemsize(hbm_side.dtype),
         dge_mode=dge_mode.value,
     )
@@ -130,9 +186,15 @@ def dma_copy(dst: Tensor, src: Tensor, priority: Any = None, oob_mode: oob_mode 
 _DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
 
-def dma_transpose(dst: Tensor, src: Tensor, axes: Sequence[int] | None = None, priority: Any = None,
-                  dge_mode: dge_mode = dge_mode.unknown, oob_mode: oob_mode = oob_mode.error,
-                  name: str | None = None) -> None:
+def dma_transpose(
+    dst: Tensor,
+    src: Tensor,
+    axes: Sequence[int] | None = None,
+    priority: Any = None,
+    dge_mode: dge_mode = dge_mode.unknown,
+    oob_mode: oob_mode = oob_mode.error,
+    name: str | None = None,
+) -> None:
     """Transpose with the DMA engine: ``(1, 0)``, ``(2, 1, 0)`` or ``(3, 1, 2, 0)`` of 2-byte data."""
     instr = "nisa.dma_transpose"
     dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
@@ -140,36 +202,56 @@ def dma_transpose(dst: Tensor, src: Tensor, axes: Sequence[int] | None = None, p
     operands.where(dst, instr, "dst", ("sbuf",))
     operands.where(src, instr, "src", ("hbm", "sbuf"))
     if src.dtype != dst.dtype:
-        raise rule(instr, "dst", "must have the same dtype as src", dst=dtypes.name(dst.dtype), src=dtypes.name(src.dtype))
+        raise rule(
+            instr, "dst", "must have the same dtype as src", dst=dtypes.name(dst.dtype), src=dtypes.name(src.dtype)
+        )
     if dtypes.itemsize(src.dtype) != 2:
         raise rule(instr, "src", "DMA transpose moves 2-byte dtypes only", dtype=dtypes.name(src.dtype))
     expected = _DMA_TRANSPOSE_AXES.get(src.ndim)
     axes = tuple(axes) if axes is not None else expected
     if expected is None or axes != expected:
-        raise rule(instr, "axes", "supported permutations are (1, 0), (2, 1, 0) and (3, 1, 2, 0)",
-                   axes=axes, src_ndim=src.ndim)
+        raise rule(
+            instr, "axes", "supported permutations are (1, 0), (2, 1, 0) and (3, 1, 2, 0)", axes=axes, src_ndim=src.ndim
+        )
     if dge_mode == _DGE.hwdge:
         if not runtime.current().target.has_hwdge:
-            raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer",
-                       target=runtime.current().target.name)
+            raise rule(
+                instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=runtime.current().target.name
+            )
         if src.shape[0] != 16 or src.shape[-1] % 128:
-            raise rule(instr, "src", "a hardware-DGE transpose needs src.shape[0] == 16 and src.shape[-1] % 128 == 0",
-                       shape=list(src.shape))
+            raise rule(
+                instr,
+                "src",
+                "a hardware-DGE transpose needs src.shape[0] == 16 and src.shape[-1] % 128 == 0",
+                shape=list(src.shape),
+            )
     skip = oob_mode == _OOB.skip
     values, inside = _dma_read(src, instr, skip)
     values = np.transpose(values.reshape(src.shape), axes)
     if values.size != dst.size:
-        raise rule(instr, "dst", "element count differs from the transposed src", dst=list(dst.shape),
-                   transposed=list(values.shape))
+        raise rule(
+            instr,
+            "dst",
+            "element count differs from the transposed src",
+            dst=list(dst.shape),
+            transposed=list(values.shape),
+        )
     if inside is not None and not inside.all():
         # oob_mode=skip: elements gathered through an out-of-bounds index leave dst as it was.
         keep = np.transpose(inside.reshape(src.shape), axes).reshape(dst.shape)
         values = np.where(keep, values.reshape(dst.shape), np.asarray(dst.read()))
     dst.write(values.reshape(dst.shape), instr)
-    runtime.current().record("dma", "dma_transpose", reads=[("src", src)], writes=[("dst", dst)],
-                             bytes_moved=dst.nbytes, partitions=dst.partition_size,
-                             bytes_per_partition=dst.nbytes // max(dst.partition_size, 1),
-                             contiguous_bytes=dtypes.itemsize(src.dtype), transpose=True)
+    runtime.current().record(
+        "dma",
+        "dma_transpose",
+        reads=[("src", src)],
+        writes=[("dst", dst)],
+        bytes_moved=dst.nbytes,
+        partitions=dst.partition_size,
+        bytes_per_partition=dst.nbytes // max(dst.partition_size, 1),
+        contiguous_bytes=dtypes.itemsize(src.dtype),
+        transpose=True,
+    )
 
 
 def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:
@@ -178,8 +260,12 @@ def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name:
     eng = operands.engine_for(engine, instr, ("vector", "scalar", "gpsimd"), "vector")
     run = runtime.current()
     if eng == "scalar" and not run.target.scalar_engine_tensor_copy:
-        raise rule(instr, "engine", "ScalarE has no tensor_copy on NeuronCore-v2; use activation(op=nl.copy)",
-                   target=run.target.name)
+        raise rule(
+            instr,
+            "engine",
+            "ScalarE has no tensor_copy on NeuronCore-v2; use activation(op=nl.copy)",
+            target=run.target.name,
+        )
     dst, src = operands.compute_tile(dst, instr, "dst", eng), operands.compute_tile(src, instr, "src", eng)
     operands.same_layout(instr, "dst", dst, "src", src)
     values = np.asarray(src.read())
@@ -204,22 +290,26 @@ def memset(dst: Tensor, value: Any, engine: engine = engine.unknown, name: str |
     runtime.current().record(eng, "memset", writes=[("dst", dst)], zero=(value == 0))
 
 
-def tensor_copy_predicated(dst: Tensor, src: Any, predicate: Tensor, reverse_pred: bool = False,
-                           name: str | None = None) -> None:
+def tensor_copy_predicated(
+    dst: Tensor, src: Any, predicate: Tensor, reverse_pred: bool = False, name: str | None = None
+) -> None:
     """Copy ``src`` into ``dst`` where ``predicate`` is non-zero (or zero, with ``reverse_pred``)."""
     instr = "nisa.tensor_copy_predicated"
     dst = operands.compute_tile(dst, instr, "dst", "vector")
     predicate = operands.compute_tile(predicate, instr, "predicate", "vector")
     if not operands.is_int(predicate):
-        raise rule(instr, "predicate", "must be an integer tile (uint8/uint16/uint32)",
-                   dtype=dtypes.name(predicate.dtype))
+        raise rule(
+            instr, "predicate", "must be an integer tile (uint8/uint16/uint32)", dtype=dtypes.name(predicate.dtype)
+        )
     operands.same_layout(instr, "dst", dst, "predicate", predicate)
     if isinstance(src, Tensor):
         src = operands.compute_tile(src, instr, "src", "vector")
         operands.same_layout(instr, "dst", dst, "src", src)
         operands.not_both_psum(instr, "src", src, "predicate", predicate)
         if src.dtype != dst.dtype:
-            raise rule(instr, "src", "must have the same dtype as dst", src=dtypes.name(src.dtype), dst=dtypes.name(dst.dtype))
+            raise rule(
+                instr, "src", "must have the same dtype as dst", src=dtypes.name(src.dtype), dst=dtypes.name(dst.dtype)
+            )
         values = np.asarray(src.read()).reshape(dst.shape)
     else:
         values = np.full(dst.shape, src)
@@ -228,8 +318,12 @@ def tensor_copy_predicated(dst: Tensor, src: Any, predicate: Tensor, reverse_pre
         mask = ~mask
     current = np.asarray(dst.read())
     dst.write(np.where(mask, values, current), instr)
-    runtime.current().record("vector", "tensor_copy_predicated",
-                             reads=operands.reads(src=src, predicate=predicate, dst_in=dst), writes=[("dst", dst)])
+    runtime.current().record(
+        "vector",
+        "tensor_copy_predicated",
+        reads=operands.reads(src=src, predicate=predicate, dst_in=dst),
+        writes=[("dst", dst)],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,8 +333,9 @@ _MATMUL_IN = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn", "bfloat16", "float1
 _MATMUL_FP32 = {"tfloat32", "float32"}
 
 
-def _check_tiling(instr: str, tile_position: Sequence[Any], tile_size: Sequence[Any], generation: int,
-                  k: int, m: int) -> tuple[int, int]:
+def _check_tiling(
+    instr: str, tile_position: Sequence[Any], tile_size: Sequence[Any], generation: int, k: int, m: int
+) -> tuple[int, int]:
     if bool(tile_position) != bool(tile_size):
         raise rule(instr, "tile_position/tile_size", "set both to use tiling mode, or neither")
     if not tile_size:
@@ -252,8 +347,13 @@ def _check_tiling(instr: str, tile_position: Sequence[Any], tile_size: Sequence[
         if size not in legal:
             raise rule(instr, "tile_size", f"{label} tile size must be one of {legal}", value=size)
         if start % size or not 0 <= start < operands.PE_ARRAY:
-            raise rule(instr, "tile_position", f"start {label} must be a multiple of the {label} tile size below 128",
-                       start=start, tile=size)
+            raise rule(
+                instr,
+                "tile_position",
+                f"start {label} must be a multiple of the {label} tile size below 128",
+                start=start,
+                tile=size,
+            )
     if k > rows:
         raise rule(instr, "stationary", "partition (contraction) dim exceeds the row tile", K=k, row_size=rows)
     if m > cols:
@@ -261,10 +361,19 @@ def _check_tiling(instr: str, tile_position: Sequence[Any], tile_size: Sequence[
     return rows, cols
 
 
-def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_onezero: bool = False,
-              is_moving_onezero: bool = False, is_transpose: bool = False, accumulate: bool | None = None,
-              tile_position: Sequence[Any] = (), tile_size: Sequence[Any] = (),
-              perf_mode: matmul_perf_mode = matmul_perf_mode.none, name: str | None = None) -> None:
+def nc_matmul(
+    dst: Tensor,
+    stationary: Tensor,
+    moving: Tensor,
+    is_stationary_onezero: bool = False,
+    is_moving_onezero: bool = False,
+    is_transpose: bool = False,
+    accumulate: bool | None = None,
+    tile_position: Sequence[Any] = (),
+    tile_size: Sequence[Any] = (),
+    perf_mode: matmul_perf_mode = matmul_perf_mode.none,
+    name: str | None = None,
+) -> None:
     """``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]`` on TensorE, accumulating in fp32 PSUM."""
     instr = "nisa.nc_matmul"
     run = runtime.current()
@@ -277,8 +386,9 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
         if dt not in _MATMUL_IN or (dt == "float8_e4m3fn" and target.generation < 4):
             raise rule(instr, role, "unsupported matmul input dtype", dtype=dt, target=target.name)
     if (s_dt in _MATMUL_FP32) != (m_dt in _MATMUL_FP32):
-        raise rule(instr, "stationary/moving", "fp32/tf32 inputs must be paired with fp32/tf32",
-                   stationary=s_dt, moving=m_dt)
+        raise rule(
+            instr, "stationary/moving", "fp32/tf32 inputs must be paired with fp32/tf32", stationary=s_dt, moving=m_dt
+        )
     if {s_dt, m_dt} == {"float8_e4m3", "float8_e4m3fn"}:
         raise rule(instr, "stationary/moving", "legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed")
     d_dt = dtypes.name(dst.dtype)
@@ -287,46 +397,80 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
         if d_dt != s_dt:
             raise rule(instr, "dst", "a transpose writes the stationary dtype", dst=d_dt, stationary=s_dt)
     elif d_dt not in target.matmul_dst_dtypes:
-        raise rule(instr, "dst", "PSUM result dtype not supported", dtype=d_dt,
-                   allowed="/".join(target.matmul_dst_dtypes), target=target.name)
+        raise rule(
+            instr,
+            "dst",
+            "PSUM result dtype not supported",
+            dtype=d_dt,
+            allowed="/".join(target.matmul_dst_dtypes),
+            target=target.name,
+        )
     st, mv = operands.rows(stationary), operands.rows(moving)
     k = stationary.partition_size
     if double_row:
         if not target.has_fp8_double_row:
             raise rule(instr, "perf_mode", "double_row needs NeuronCore-v3 or newer", target=target.name)
-        if s_dt not in ("float8_e4m3", "float8_e5m2", "float8_e4m3fn") or m_dt not in ("float8_e4m3", "float8_e5m2", "float8_e4m3fn"):
+        if s_dt not in ("float8_e4m3", "float8_e5m2", "float8_e4m3fn") or m_dt not in (
+            "float8_e4m3",
+            "float8_e5m2",
+            "float8_e4m3fn",
+        ):
             raise rule(instr, "perf_mode", "double_row takes fp8 inputs only", stationary=s_dt, moving=m_dt)
         if tile_size and tuple(tile_size)[1] != operands.PE_ARRAY:
             raise rule(instr, "perf_mode", "double_row cannot be combined with column tiling")
         if stationary.ndim < 3 or stationary.shape[1] != 2 or moving.ndim < 3 or moving.shape[1] != 2:
-            raise rule(instr, "stationary/moving", "double_row needs the first free dim to be 2",
-                       stationary=list(stationary.shape), moving=list(moving.shape))
+            raise rule(
+                instr,
+                "stationary/moving",
+                "double_row needs the first free dim to be 2",
+                stationary=list(stationary.shape),
+                moving=list(moving.shape),
+            )
         # The contraction spans partitions and the pair dim: [K, 2, M] -> [2K, M].
         st = st.reshape(k, 2, -1).transpose(1, 0, 2).reshape(2 * k, -1)
         mv = mv.reshape(k, 2, -1).transpose(1, 0, 2).reshape(2 * k, -1)
     if moving.partition_size != k:
-        raise rule(instr, "stationary/moving", "contraction (partition) dims differ", stationary_K=k,
-                   moving_K=moving.partition_size)
+        raise rule(
+            instr,
+            "stationary/moving",
+            "contraction (partition) dims differ",
+            stationary_K=k,
+            moving_K=moving.partition_size,
+        )
     if k > operands.PE_ARRAY:
         raise rule(instr, "stationary", "contraction (partition) dim exceeds 128", K=k)
     m, n = st.shape[1], mv.shape[1]
     if m > target.gemm_stationary_fmax:
-        raise rule(instr, "stationary", "free size exceeds gemm_stationary_fmax", M=m,
-                   limit=target.gemm_stationary_fmax)
+        raise rule(
+            instr, "stationary", "free size exceeds gemm_stationary_fmax", M=m, limit=target.gemm_stationary_fmax
+        )
     moving_limit = target.gemm_moving_fmax
     if target.generation >= 4 and d_dt == "bfloat16" and not is_transpose:
         moving_limit *= 2  # NC-v4: the moving free size is bounded by all 8 PSUM banks, 8192 bf16 columns
     if n > moving_limit:
-        raise rule(instr, "moving", "free size exceeds gemm_moving_fmax", N=n, limit=moving_limit,
-                   dst_dtype=d_dt, target=target.name)
+        raise rule(
+            instr,
+            "moving",
+            "free size exceeds gemm_moving_fmax",
+            N=n,
+            limit=moving_limit,
+            dst_dtype=d_dt,
+            target=target.name,
+        )
     row_size, _ = _check_tiling(instr, tile_position, tile_size, target.generation, k, m)
     if dst.partition_size != m or dst.free_size != n:
         raise rule(instr, "dst", "shape must be [stationary free, moving free]", dst=list(dst.shape), expected=[m, n])
     region = dst.region()
     bank = target.psum_bank_bytes
     if target.generation < 4 and region.b0 // bank != (region.b1 - 1) // bank:
-        raise rule(instr, "dst", "a matmul result must lie within one 2 KiB PSUM bank",
-                   first_byte=region.b0, last_byte=region.b1 - 1, bank_bytes=bank)
+        raise rule(
+            instr,
+            "dst",
+            "a matmul result must lie within one 2 KiB PSUM bank",
+            first_byte=region.b0,
+            last_byte=region.b1 - 1,
+            bank_bytes=bank,
+        )
     if is_transpose and target.generation >= 3 and k == n and np.array_equal(mv, np.eye(k, dtype=mv.dtype)):
         product = st.T.copy()  # bit-accurate transpose mode: NaN/Inf pass through untouched
     else:
@@ -346,9 +490,21 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     if add.any():
         reads.append(("dst_in", dst))
     contraction = 2 * k if double_row else k
-    run.record("tensor", "nc_matmul", reads=reads, writes=[("dst", dst)], flops=2 * contraction * m * n,
-               K=contraction, M=m, N=n, fp32=s_dt in _MATMUL_FP32, onezero=is_stationary_onezero or is_moving_onezero,
-               double_row=double_row, row_size=row_size, transpose=bool(is_transpose))
+    run.record(
+        "tensor",
+        "nc_matmul",
+        reads=reads,
+        writes=[("dst", dst)],
+        flops=2 * contraction * m * n,
+        K=contraction,
+        M=m,
+        N=n,
+        fp32=s_dt in _MATMUL_FP32,
+        onezero=is_stationary_onezero or is_moving_onezero,
+        double_row=double_row,
+        row_size=row_size,
+        transpose=bool(is_transpose),
+    )
 
 
 def nc_transpose(dst: Tensor, data: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:
@@ -367,7 +523,9 @@ def nc_transpose(dst: Tensor, data: Tensor, engine: engine = engine.unknown, nam
         dst = operands.compute_tile(dst, instr, "dst", "vector")
         limit = operands.VECTOR_TRANSPOSE_MAX
     if data.dtype != dst.dtype:
-        raise rule(instr, "dst", "must have the same dtype as data", dst=dtypes.name(dst.dtype), data=dtypes.name(data.dtype))
+        raise rule(
+            instr, "dst", "must have the same dtype as data", dst=dtypes.name(dst.dtype), data=dtypes.name(data.dtype)
+        )
     p, f = data.partition_size, data.free_size
     if p > limit or f > limit:
         raise rule(instr, "data", f"{eng} engine transposes at most {limit}x{limit}", shape=[p, f])
@@ -377,8 +535,18 @@ def nc_transpose(dst: Tensor, data: Tensor, engine: engine = engine.unknown, nam
     dst.write(values.reshape(dst.shape), instr)
     run = runtime.current()
     flops = 2 * p * p * f if eng == "tensor" else 0
-    run.record(eng, "nc_transpose", reads=[("data", data)], writes=[("dst", dst)], flops=flops,
-               K=p, M=p, N=f, fp32=dtypes.name(data.dtype) == "float32", transpose=True)
+    run.record(
+        eng,
+        "nc_transpose",
+        reads=[("data", data)],
+        writes=[("dst", dst)],
+        flops=flops,
+        K=p,
+        M=p,
+        N=f,
+        fp32=dtypes.name(data.dtype) == "float32",
+        transpose=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,21 +563,27 @@ def _alu_apply(op: Op, a: Any, b: Any, reverse: bool = False) -> np.ndarray:
 def _check_bitvec(instr: str, ops: Sequence[Op], tiles: dict[str, Tensor]) -> None:
     kinds = {op.kind == "bitvec" for op in ops if op is not BYPASS}
     if len(kinds) > 1:
-        raise rule(instr, "op0/op1", "both operators must be bitvec or both arithmetic",
-                   ops=[op.name for op in ops])
+        raise rule(instr, "op0/op1", "both operators must be bitvec or both arithmetic", ops=[op.name for op in ops])
     if True in kinds:
         for role, t in tiles.items():
             if not operands.is_int(t):
-                raise rule(instr, role, "bitvec operators need integer tiles", op=ops[0].name,
-                           dtype=dtypes.name(t.dtype))
+                raise rule(
+                    instr, role, "bitvec operators need integer tiles", op=ops[0].name, dtype=dtypes.name(t.dtype)
+                )
 
 
-_GPSIMD_INT_ALU = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
-                   "maximum": np.maximum, "minimum": np.minimum}
+_GPSIMD_INT_ALU = {
+    "add": np.add,
+    "subtract": np.subtract,
+    "multiply": np.multiply,
+    "maximum": np.maximum,
+    "minimum": np.minimum,
+}
 
 
-def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: engine = engine.unknown,
-                  name: str | None = None) -> None:
+def tensor_tensor(
+    dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: engine = engine.unknown, name: str | None = None
+) -> None:
     """``dst = data1 <op> data2`` element-wise on VectorE (GpSimd for ``nl.power`` and int32)."""
     instr = "nisa.tensor_tensor"
     alu = as_alu(op, instr)
@@ -434,14 +608,19 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: en
     else:
         result = _alu_apply(alu, operands.rows(data1), operands.rows(data2))
     dst.write(result.reshape(dst.shape), instr)
-    runtime.current().record(eng, "tensor_tensor", reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)],
-                             alu=alu.name)
+    runtime.current().record(
+        eng, "tensor_tensor", reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)], alu=alu.name
+    )
 
 
 _SCALAR_ENGINE_COMBOS = {("multiply", "add"), ("multiply", None), ("add", None)}
 # Engines that implement each restricted ALU operator (AWS's NKI operator table); others run anywhere.
-ALU_OP_ENGINES = {"rsqrt": ("gpsimd", "scalar"), "power": ("gpsimd",), "reciprocal": ("vector", "scalar"),
-                  "abs": ("vector", "scalar")}
+ALU_OP_ENGINES = {
+    "rsqrt": ("gpsimd", "scalar"),
+    "power": ("gpsimd",),
+    "reciprocal": ("vector", "scalar"),
+    "abs": ("vector", "scalar"),
+}
 
 
 def _alu_engines(instr: str, ops: Sequence[Op], candidates: Sequence[str]) -> list[str]:
@@ -453,9 +632,18 @@ def _alu_engines(instr: str, ops: Sequence[Op], candidates: Sequence[str]) -> li
     return allowed
 
 
-def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: bool = False, op1: Any = None,
-                  operand1: Any = None, reverse1: bool = False, engine: engine = engine.unknown,
-                  name: str | None = None) -> None:
+def tensor_scalar(
+    dst: Tensor,
+    data: Tensor,
+    op0: Any,
+    operand0: Any,
+    reverse0: bool = False,
+    op1: Any = None,
+    operand1: Any = None,
+    reverse1: bool = False,
+    engine: engine = engine.unknown,
+    name: str | None = None,
+) -> None:
     """``dst = (data <op0> operand0) <op1> operand1`` with scalar or per-partition [P, 1] operands."""
     instr = "nisa.tensor_scalar"
     first = as_alu(op0, instr, "op0")
@@ -465,7 +653,9 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
     pair = (first.name, second.name if second else None)
     allowed = _alu_engines(instr, [first] + ([second] if second else []), ("vector", "scalar", "gpsimd"))
     # Like the compiler: VectorE when it can, else GpSimd, else ScalarE for the pairs it supports.
-    usable = [e for e in ("vector", "gpsimd", "scalar") if e in allowed and (e != "scalar" or pair in _SCALAR_ENGINE_COMBOS)]
+    usable = [
+        e for e in ("vector", "gpsimd", "scalar") if e in allowed and (e != "scalar" or pair in _SCALAR_ENGINE_COMBOS)
+    ]
     eng = operands.engine_for(engine, instr, allowed, usable[0] if usable else allowed[0])
     if eng == "scalar" and pair not in _SCALAR_ENGINE_COMBOS:
         raise rule(instr, "engine", "ScalarE supports only multiply+add, multiply, or add", op0=pair[0], op1=pair[1])
@@ -478,8 +668,12 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
         # Arithmetic operators take float32 operands (a vector operand is not cast on the way in).
         for role, operand in (("operand0", operand0), ("operand1", operand1)):
             if isinstance(operand, Tensor) and dtypes.name(operand.dtype) != "float32":
-                raise rule(instr, role, "a vector operand of an arithmetic operator must be float32",
-                           dtype=dtypes.name(operand.dtype))
+                raise rule(
+                    instr,
+                    role,
+                    "a vector operand of an arithmetic operator must be float32",
+                    dtype=dtypes.name(operand.dtype),
+                )
     parts = data.partition_size
     a0 = operands.scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, eng)
     values = _alu_apply(first, operands.rows(data), a0, reverse0)
@@ -489,12 +683,26 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reverse0: 
     if values.shape != (parts, data.free_size):
         values = np.broadcast_to(values, (parts, data.free_size))
     dst.write(values.reshape(dst.shape), instr)
-    runtime.current().record(eng, "tensor_scalar", reads=operands.reads(data=data, operand0=operand0, operand1=operand1),
-                             writes=[("dst", dst)], alu=first.name)
+    runtime.current().record(
+        eng,
+        "tensor_scalar",
+        reads=operands.reads(data=data, operand0=operand0, operand1=operand1),
+        writes=[("dst", dst)],
+        alu=first.name,
+    )
 
 
-def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0: Any, operand0: Any, op1: Any, operand1: Tensor,
-                         reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+def scalar_tensor_tensor(
+    dst: Tensor,
+    data: Tensor,
+    op0: Any,
+    operand0: Any,
+    op1: Any,
+    operand1: Tensor,
+    reverse0: bool = False,
+    reverse1: bool = False,
+    name: str | None = None,
+) -> None:
     """``dst = (data <op0> operand0) <op1> operand1`` with a scalar/[P, 1] operand0 and a tile operand1."""
     instr = "nisa.scalar_tensor_tensor"
     first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
@@ -511,9 +719,13 @@ def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0: Any, operand0: Any, op1
     values = _alu_apply(first, operands.rows(data), a0, reverse0)
     values = _alu_apply(second, values, operands.rows(operand1), reverse1)
     dst.write(values.reshape(dst.shape), instr)
-    runtime.current().record("vector", "scalar_tensor_tensor",
-                             reads=operands.reads(data=data, operand0=operand0, operand1=operand1), writes=[("dst", dst)],
-                             alu=second.name)
+    runtime.current().record(
+        "vector",
+        "scalar_tensor_tensor",
+        reads=operands.reads(data=data, operand0=operand0, operand1=operand1),
+        writes=[("dst", dst)],
+        alu=second.name,
+    )
 
 
 def reciprocal(dst: Tensor, data: Tensor, name: str | None = None) -> None:
@@ -552,8 +764,9 @@ def _reduce(op: Op, values: np.ndarray, axis: int = -1) -> np.ndarray:
     return result
 
 
-def tensor_reduce(dst: Tensor, op: Any, data: Tensor, axis: Any, negate: bool = False, keepdims: bool = False,
-                  name: str | None = None) -> None:
+def tensor_reduce(
+    dst: Tensor, op: Any, data: Tensor, axis: Any, negate: bool = False, keepdims: bool = False, name: str | None = None
+) -> None:
     """Reduce the trailing free axes of ``data`` on VectorE (optionally negated)."""
     instr = "nisa.tensor_reduce"
     alu = as_alu(op, instr)
@@ -562,20 +775,26 @@ def tensor_reduce(dst: Tensor, op: Any, data: Tensor, axis: Any, negate: bool = 
     if 0 in axes:
         raise rule(instr, "axis", "the partition axis (0) cannot be reduced; transpose or use a matmul", axis=axes)
     if axes != tuple(range(axes[0], data.ndim)):
-        raise rule(instr, "axis", "must be the last contiguous free dims, ending at the final dim",
-                   axis=axes, ndim=data.ndim)
+        raise rule(
+            instr, "axis", "must be the last contiguous free dims, ending at the final dim", axis=axes, ndim=data.ndim
+        )
     values = dtypes.to_engine(np.asarray(data.read()))
     if alu.kind == "bitvec" and not operands.is_int(data):
         raise rule(instr, "data", "bitvec reductions need integer tiles", dtype=dtypes.name(data.dtype))
-    reduced = _reduce(alu, values.reshape(values.shape[:axes[0]] + (-1,)), -1)
+    reduced = _reduce(alu, values.reshape(values.shape[: axes[0]] + (-1,)), -1)
     if negate:
         if alu.kind == "bitvec":
             raise rule(instr, "negate", "only applies to arithmetic reductions", op=alu.name)
         reduced = -reduced
     kept = int(np.prod([data.shape[d] for d in range(1, data.ndim) if d not in axes]))
     if dst.partition_size != data.partition_size or dst.free_size != kept:
-        raise rule(instr, "dst", "shape does not match the reduction", dst=list(dst.shape),
-                   expected_elements_per_partition=kept)
+        raise rule(
+            instr,
+            "dst",
+            "shape does not match the reduction",
+            dst=list(dst.shape),
+            expected_elements_per_partition=kept,
+        )
     dst.write(np.asarray(reduced).reshape(dst.shape), instr)
     runtime.current().record("vector", "tensor_reduce", reads=[("data", data)], writes=[("dst", dst)], alu=alu.name)
 
@@ -588,15 +807,21 @@ def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None
         raise rule(instr, "op", "must be add, maximum, bitwise_or or bitwise_and", op=alu.name)
     dst, data = operands.compute_tile(dst, instr, "dst", "gpsimd"), operands.compute_tile(data, instr, "data", "gpsimd")
     if dst.partition_size != 1 or dst.free_size != data.free_size:
-        raise rule(instr, "dst", "must hold one partition of data's free size", dst=list(dst.shape),
-                   expected=[1, data.free_size])
+        raise rule(
+            instr,
+            "dst",
+            "must hold one partition of data's free size",
+            dst=list(dst.shape),
+            expected=[1, data.free_size],
+        )
     reduced = _reduce(alu, operands.rows(data), 0)
     dst.write(reduced.reshape(dst.shape), instr)
     runtime.current().record("gpsimd", "tensor_partition_reduce", reads=[("data", data)], writes=[("dst", dst)])
 
 
-def _accumulate(registers: np.ndarray, parts: int, cmd: reduce_cmd, op: Op, values: np.ndarray,
-                init: Any, instr: str) -> None:
+def _accumulate(
+    registers: np.ndarray, parts: int, cmd: reduce_cmd, op: Op, values: np.ndarray, init: Any, instr: str
+) -> None:
     """Apply a reduce_cmd to per-lane accumulator registers (in place)."""
     cmd = _CMD(cmd)
     identity = op.identity if op.identity is not None else 0.0
@@ -606,7 +831,9 @@ def _accumulate(registers: np.ndarray, parts: int, cmd: reduce_cmd, op: Op, valu
     elif cmd == reduce_cmd.load_reduce:
         if init is None:
             raise rule(instr, "reduce_init", "is required with reduce_cmd.load_reduce")
-        lane[:] = np.broadcast_to(operands.scalar_or_vector(init, instr, "reduce_init", parts, "vector"), (parts, 1))[:, 0]
+        lane[:] = np.broadcast_to(operands.scalar_or_vector(init, instr, "reduce_init", parts, "vector"), (parts, 1))[
+            :, 0
+        ]
     if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce, reduce_cmd.load_reduce):
         lane[:] = _alu_apply(op, lane, _reduce(op, values.astype(np.float32), -1))
 
@@ -616,13 +843,24 @@ def _read_out(reduce_res: Tensor | None, registers: np.ndarray, parts: int, inst
         return
     reduce_res = operands.compute_tile(reduce_res, instr, "reduce_res", eng)
     if reduce_res.partition_size != parts or reduce_res.free_size != 1:
-        raise rule(instr, "reduce_res", "must have shape (partitions, 1)", shape=list(reduce_res.shape), partitions=parts)
+        raise rule(
+            instr, "reduce_res", "must have shape (partitions, 1)", shape=list(reduce_res.shape), partitions=parts
+        )
     reduce_res.write(registers[:parts].reshape(reduce_res.shape), instr)
 
 
-def tensor_scalar_reduce(dst: Tensor, data: Tensor, op0: Any, operand0: Any, reduce_op: Any, reduce_res: Tensor,
-                         reverse0: bool = False, reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
-                         reduce_init: Any = None, name: str | None = None) -> None:
+def tensor_scalar_reduce(
+    dst: Tensor,
+    data: Tensor,
+    op0: Any,
+    operand0: Any,
+    reduce_op: Any,
+    reduce_res: Tensor,
+    reverse0: bool = False,
+    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+    reduce_init: Any = None,
+    name: str | None = None,
+) -> None:
     """``dst = data <op0> operand0`` and reduce the result along the free dims into ``reduce_res``."""
     instr = "nisa.tensor_scalar_reduce"
     first, red = as_alu(op0, instr, "op0"), as_alu(reduce_op, instr, "reduce_op")
@@ -641,35 +879,66 @@ def tensor_scalar_reduce(dst: Tensor, data: Tensor, op0: Any, operand0: Any, red
     run = runtime.current()
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, stored, reduce_init, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
-    run.record("vector", "tensor_scalar_reduce", reads=operands.reads(data=data, operand0=operand0),
-               writes=operands.reads(dst=dst, reduce_res=reduce_res), alu=first.name)
+    run.record(
+        "vector",
+        "tensor_scalar_reduce",
+        reads=operands.reads(data=data, operand0=operand0),
+        writes=operands.reads(dst=dst, reduce_res=reduce_res),
+        alu=first.name,
+    )
 
 
-def tensor_tensor_scan(dst: Tensor, data0: Tensor, data1: Tensor, initial: Any, op0: Any, op1: Any,
-                       reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+def tensor_tensor_scan(
+    dst: Tensor,
+    data0: Tensor,
+    data1: Tensor,
+    initial: Any,
+    op0: Any,
+    op1: Any,
+    reverse0: bool = False,
+    reverse1: bool = False,
+    name: str | None = None,
+) -> None:
     """``r[i] = (data0[i] <op0> r[i-1]) <op1> data1[i]`` along the free dim, from ``initial``."""
     instr = "nisa.tensor_tensor_scan"
     first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
     dst = operands.compute_tile(dst, instr, "dst", "vector")
-    data0, data1 = operands.compute_tile(data0, instr, "data0", "vector"), operands.compute_tile(data1, instr, "data1", "vector")
+    data0, data1 = (
+        operands.compute_tile(data0, instr, "data0", "vector"),
+        operands.compute_tile(data1, instr, "data1", "vector"),
+    )
     operands.same_layout(instr, "data0", data0, "data1", data1)
     operands.same_layout(instr, "dst", dst, "data0", data0)
     operands.not_both_psum(instr, "data0", data0, "data1", data1)
     parts = data0.partition_size
     a, b = operands.rows(data0), operands.rows(data1)
-    state = np.broadcast_to(operands.scalar_or_vector(initial, instr, "initial", parts, "vector"), (parts, 1))[:, 0].astype(np.float32)
+    state = np.broadcast_to(operands.scalar_or_vector(initial, instr, "initial", parts, "vector"), (parts, 1))[
+        :, 0
+    ].astype(np.float32)
     out = np.empty_like(a, dtype=np.float32)
     for i in range(a.shape[1]):
         state = _alu_apply(first, a[:, i], state, reverse0)
         state = _alu_apply(second, state, b[:, i], reverse1)
         out[:, i] = state
     dst.write(out.reshape(dst.shape), instr)
-    runtime.current().record("vector", "tensor_tensor_scan", reads=operands.reads(data0=data0, data1=data1, initial=initial),
-                             writes=[("dst", dst)])
+    runtime.current().record(
+        "vector",
+        "tensor_tensor_scan",
+        reads=operands.reads(data0=data0, data1=data1, initial=initial),
+        writes=[("dst", dst)],
+    )
 
 
-def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0: Any, imm1: Any = None,
-                             reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce, name: str | None = None) -> None:
+def tensor_scalar_cumulative(
+    dst: Tensor,
+    src: Tensor,
+    op0: Any,
+    op1: Any,
+    imm0: Any,
+    imm1: Any = None,
+    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+    name: str | None = None,
+) -> None:
     """Running ``reg = (src[i] <op0> imm0) <op1> reg`` along the free dim, writing every step."""
     instr = "nisa.tensor_scalar_cumulative"
     first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
@@ -685,8 +954,10 @@ def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0:
         lanes[:] = second.identity if second.identity is not None else 0.0
     elif reduce_cmd == _CMD.load_reduce:
         lanes[:] = np.broadcast_to(operands.scalar_or_vector(imm1, instr, "imm1", parts, "vector"), (parts, 1))[:, 0]
-    scaled = np.broadcast_to(_alu_apply(first, operands.rows(src), operands.scalar_or_vector(imm0, instr, "imm0", parts, "vector")),
-                             (parts, src.free_size))
+    scaled = np.broadcast_to(
+        _alu_apply(first, operands.rows(src), operands.scalar_or_vector(imm0, instr, "imm0", parts, "vector")),
+        (parts, src.free_size),
+    )
     out = np.empty((parts, src.free_size), dtype=np.float32)
     accumulate = second.binary
     assert accumulate is not None  # as_alu admits only operators with a binary form
@@ -694,7 +965,9 @@ def tensor_scalar_cumulative(dst: Tensor, src: Tensor, op0: Any, op1: Any, imm0:
         lanes[:] = accumulate(scaled[:, i], lanes)
         out[:, i] = lanes
     dst.write(out.reshape(dst.shape), instr)
-    run.record("vector", "tensor_scalar_cumulative", reads=operands.reads(src=src, imm0=imm0, imm1=imm1), writes=[("dst", dst)])
+    run.record(
+        "vector", "tensor_scalar_cumulative", reads=operands.reads(src=src, imm0=imm0, imm1=imm1), writes=[("dst", dst)]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -723,9 +996,17 @@ def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, 
     return unary(x.astype(np.float32))
 
 
-def activation(dst: Tensor, op: Any, data: Tensor, bias: Any = None, scale: Any = 1.0, reduce_op: Any = None,
-               reduce_res: Tensor | None = None, reduce_cmd: reduce_cmd = reduce_cmd.idle,
-               name: str | None = None) -> None:
+def activation(
+    dst: Tensor,
+    op: Any,
+    data: Tensor,
+    bias: Any = None,
+    scale: Any = 1.0,
+    reduce_op: Any = None,
+    reduce_res: Tensor | None = None,
+    reduce_cmd: reduce_cmd = reduce_cmd.idle,
+    name: str | None = None,
+) -> None:
     """``dst = op(data * scale + bias)`` on ScalarE, optionally add-reducing into the lane registers."""
     instr = "nisa.activation"
     fn = as_activation(op, instr)
@@ -743,12 +1024,26 @@ def activation(dst: Tensor, op: Any, data: Tensor, bias: Any = None, scale: Any 
         stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
         _accumulate(run.scalar_accumulator, data.partition_size, reduce_cmd, red, stored, None, instr)
     _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
-    run.record("scalar", "activation", reads=operands.reads(data=data, bias=bias, scale=scale),
-               writes=operands.reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=red is not None)
+    run.record(
+        "scalar",
+        "activation",
+        reads=operands.reads(data=data, bias=bias, scale=scale),
+        writes=operands.reads(dst=dst, reduce_res=reduce_res),
+        func=fn.name,
+        reduce=red is not None,
+    )
 
 
-def activation_reduce(dst: Tensor, op: Any, data: Tensor, reduce_op: Any, reduce_res: Tensor, bias: Any = None,
-                      scale: Any = 1.0, name: str | None = None) -> None:
+def activation_reduce(
+    dst: Tensor,
+    op: Any,
+    data: Tensor,
+    reduce_op: Any,
+    reduce_res: Tensor,
+    bias: Any = None,
+    scale: Any = 1.0,
+    name: str | None = None,
+) -> None:
     """``activation`` plus a reduction of its result along the free dims into ``reduce_res``."""
     instr = "nisa.activation_reduce"
     red = as_alu(reduce_op, instr, "reduce_op")
@@ -763,17 +1058,42 @@ def activation_reduce(dst: Tensor, op: Any, data: Tensor, reduce_op: Any, reduce
     stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
     _accumulate(run.scalar_accumulator, data.partition_size, _CMD.reset_reduce, red, stored, None, instr)
     _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
-    run.record("scalar", "activation", reads=operands.reads(data=data, bias=bias, scale=scale),
-               writes=operands.reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=True)
+    run.record(
+        "scalar",
+        "activation",
+        reads=operands.reads(data=data, bias=bias, scale=scale),
+        writes=operands.reads(dst=dst, reduce_res=reduce_res),
+        func=fn.name,
+        reduce=True,
+    )
 
 
-_ACTIVATE2_COMBOS = {("multiply", "add"), ("multiply", "subtract"), ("multiply", "bypass"), ("add", "bypass"),
-                     ("subtract", "bypass"), ("bypass", "bypass")}
+_ACTIVATE2_COMBOS = {
+    ("multiply", "add"),
+    ("multiply", "subtract"),
+    ("multiply", "bypass"),
+    ("add", "bypass"),
+    ("subtract", "bypass"),
+    ("bypass", "bypass"),
+}
 
 
-def activate2(dst: Tensor, op: Any, data: Tensor, imm0: Any, imm1: Any, op0: Any, op1: Any, relu_param: Any = 0.0,
-              reverse0: bool = False, reverse1: bool = False, reduce_op: Any = None, reduce_res: Tensor | None = None,
-              reduce_cmd: reduce_cmd = reduce_cmd.idle, name: str | None = None) -> None:
+def activate2(
+    dst: Tensor,
+    op: Any,
+    data: Tensor,
+    imm0: Any,
+    imm1: Any,
+    op0: Any,
+    op1: Any,
+    relu_param: Any = 0.0,
+    reverse0: bool = False,
+    reverse1: bool = False,
+    reduce_op: Any = None,
+    reduce_res: Tensor | None = None,
+    reduce_cmd: reduce_cmd = reduce_cmd.idle,
+    name: str | None = None,
+) -> None:
     """NeuronCore-v4 ScalarE: ``op((data <op0> imm0) <op1> imm1)`` with an optional reduction."""
     instr = "nisa.activate2"
     run = runtime.current()
@@ -786,7 +1106,9 @@ def activate2(dst: Tensor, op: Any, data: Tensor, imm0: Any, imm1: Any, op0: Any
     dst, data = operands.compute_tile(dst, instr, "dst", "scalar"), operands.compute_tile(data, instr, "data", "scalar")
     operands.same_layout(instr, "dst", dst, "data", data)
     parts = data.partition_size
-    x = _alu_apply(first, operands.rows(data), operands.scalar_or_vector(imm0, instr, "imm0", parts, "scalar"), reverse0)
+    x = _alu_apply(
+        first, operands.rows(data), operands.scalar_or_vector(imm0, instr, "imm0", parts, "scalar"), reverse0
+    )
     x = _alu_apply(second, x, operands.scalar_or_vector(imm1, instr, "imm1", parts, "scalar"), reverse1)
     if fn.name == "prelu":
         slope = operands.scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
@@ -800,25 +1122,36 @@ def activate2(dst: Tensor, op: Any, data: Tensor, imm0: Any, imm1: Any, op0: Any
         red = as_alu(reduce_op, instr, "reduce_op")
         if red.name not in ("add", "maximum", "minimum", "abs_max", "abs_min"):
             raise rule(instr, "reduce_op", "must be add, maximum, minimum, abs_max or abs_min", op=red.name)
-        _accumulate(run.scalar_accumulator, parts, reduce_cmd, red, np.asarray(values, dtype=np.float32),
-                    None, instr)
+        _accumulate(run.scalar_accumulator, parts, reduce_cmd, red, np.asarray(values, dtype=np.float32), None, instr)
     _read_out(reduce_res, run.scalar_accumulator, parts, instr, "scalar")
-    run.record("scalar", "activation", reads=operands.reads(data=data, imm0=imm0, imm1=imm1),
-               writes=operands.reads(dst=dst, reduce_res=reduce_res), func=fn.name, reduce=reduce_op is not None)
+    run.record(
+        "scalar",
+        "activation",
+        reads=operands.reads(data=data, imm0=imm0, imm1=imm1),
+        writes=operands.reads(dst=dst, reduce_res=reduce_res),
+        func=fn.name,
+        reduce=reduce_op is not None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # GpSimd patterns and selection
 # ---------------------------------------------------------------------------------------------
-def _affine_values(instr: str, pattern: Sequence[Sequence[int]], offset: int, channel_multiplier: int,
-                   parts: int, free: int) -> np.ndarray:
+def _affine_values(
+    instr: str, pattern: Sequence[Sequence[int]], offset: int, channel_multiplier: int, parts: int, free: int
+) -> np.ndarray:
     if not 1 <= len(pattern) <= 4:
         raise rule(instr, "pattern", "must have 1 to 4 [step, num] pairs", pattern=pattern)
     steps = [int(s) for s, _ in pattern]
     nums = [int(n) for _, n in pattern]
     if int(np.prod(nums)) != free:
-        raise rule(instr, "pattern", "element count must equal dst's elements per partition",
-                   pattern_elements=int(np.prod(nums)), free_elements=free)
+        raise rule(
+            instr,
+            "pattern",
+            "element count must equal dst's elements per partition",
+            pattern_elements=int(np.prod(nums)),
+            free_elements=free,
+        )
     grids = np.meshgrid(*[np.arange(n, dtype=np.int64) for n in nums], indexing="ij")
     # Summed onto the first term (there is at least one): an array, where sum()'s default 0 start would type as int.
     free_part = sum((g * s for g, s in zip(grids[1:], steps[1:])), grids[0] * steps[0]).reshape(-1)
@@ -826,18 +1159,29 @@ def _affine_values(instr: str, pattern: Sequence[Sequence[int]], offset: int, ch
     return int(offset) + lanes + free_part[None, :]
 
 
-def iota(dst: Tensor, pattern: Sequence[Sequence[int]], offset: int = 0, channel_multiplier: int = 0,
-         name: str | None = None) -> None:
+def iota(
+    dst: Tensor, pattern: Sequence[Sequence[int]], offset: int = 0, channel_multiplier: int = 0, name: str | None = None
+) -> None:
     """``dst[p, i] = offset + p * channel_multiplier + pattern(i)`` on GpSimd, in int32 arithmetic."""
     instr = "nisa.iota"
     dst = operands.compute_tile(dst, instr, "dst", "gpsimd", ("sbuf",))
     values = _affine_values(instr, pattern, offset, channel_multiplier, dst.partition_size, dst.free_size)
-    dst.write(values.astype(np.int32).astype(np.float64 if dtypes.is_float(dst.dtype) else np.int64).reshape(dst.shape), instr)
+    dst.write(
+        values.astype(np.int32).astype(np.float64 if dtypes.is_float(dst.dtype) else np.int64).reshape(dst.shape), instr
+    )
     runtime.current().record("gpsimd", "iota", writes=[("dst", dst)])
 
 
-def affine_select(dst: Tensor, pattern: Sequence[Sequence[int]], channel_multiplier: int, on_true_tile: Tensor,
-                  on_false_value: float, cmp_op: Any = None, offset: int = 0, name: str | None = None) -> None:
+def affine_select(
+    dst: Tensor,
+    pattern: Sequence[Sequence[int]],
+    channel_multiplier: int,
+    on_true_tile: Tensor,
+    on_false_value: float,
+    cmp_op: Any = None,
+    offset: int = 0,
+    name: str | None = None,
+) -> None:
     """Keep ``on_true_tile`` where ``cmp_op(affine(p, i), 0)`` holds, else ``on_false_value`` (GpSimd)."""
     instr = "nisa.affine_select"
     compare = as_alu(cmp_op if cmp_op is not None else _OPS["equal"], instr, "cmp_op")
@@ -857,10 +1201,20 @@ def affine_select(dst: Tensor, pattern: Sequence[Sequence[int]], channel_multipl
 _RANGE_COMPARE = {"equal", "less", "less_equal", "greater", "greater_equal"}
 
 
-def range_select(dst: Tensor, on_true_tile: Tensor, comp_op0: Any, comp_op1: Any, bound0: Tensor, bound1: Tensor,
-                 reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce, reduce_res: Tensor | None = None,
-                 reduce_op: Any = None, range_start: int = 0, on_false_value: float = operands.FP32_MIN,
-                 name: str | None = None) -> None:
+def range_select(
+    dst: Tensor,
+    on_true_tile: Tensor,
+    comp_op0: Any,
+    comp_op1: Any,
+    bound0: Tensor,
+    bound1: Tensor,
+    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+    reduce_res: Tensor | None = None,
+    reduce_op: Any = None,
+    range_start: int = 0,
+    on_false_value: float = operands.FP32_MIN,
+    name: str | None = None,
+) -> None:
     """Keep elements whose free index (+ ``range_start``) satisfies both bounds; max-reduce the result."""
     instr = "nisa.range_select"
     run = runtime.current()
@@ -890,13 +1244,25 @@ def range_select(dst: Tensor, on_true_tile: Tensor, comp_op0: Any, comp_op1: Any
     dst.write(chosen.reshape(dst.shape), instr)
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, chosen, None, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
-    run.record("vector", "range_select", reads=operands.reads(on_true_tile=on_true_tile, bound0=bound0, bound1=bound1),
-               writes=operands.reads(dst=dst, reduce_res=reduce_res))
+    run.record(
+        "vector",
+        "range_select",
+        reads=operands.reads(on_true_tile=on_true_tile, bound0=bound0, bound1=bound1),
+        writes=operands.reads(dst=dst, reduce_res=reduce_res),
+    )
 
 
-def select_reduce(dst: Tensor, predicate: Tensor, on_true: Tensor, on_false: Any, reduce_res: Tensor | None = None,
-                  reduce_cmd: reduce_cmd = reduce_cmd.idle, reduce_op: Any = None, reverse_pred: bool = False,
-                  name: str | None = None) -> None:
+def select_reduce(
+    dst: Tensor,
+    predicate: Tensor,
+    on_true: Tensor,
+    on_false: Any,
+    reduce_res: Tensor | None = None,
+    reduce_cmd: reduce_cmd = reduce_cmd.idle,
+    reduce_op: Any = None,
+    reverse_pred: bool = False,
+    name: str | None = None,
+) -> None:
     """``dst = where(predicate, on_true, on_false)``, optionally max-reducing into ``reduce_res``."""
     instr = "nisa.select_reduce"
     red = as_alu(reduce_op if reduce_op is not None else _OPS["maximum"], instr, "reduce_op")
@@ -922,8 +1288,12 @@ def select_reduce(dst: Tensor, predicate: Tensor, on_true: Tensor, on_false: Any
     run = runtime.current()
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, chosen, None, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
-    run.record("vector", "select_reduce", reads=operands.reads(predicate=predicate, on_true=on_true, on_false=on_false),
-               writes=operands.reads(dst=dst, reduce_res=reduce_res))
+    run.record(
+        "vector",
+        "select_reduce",
+        reads=operands.reads(predicate=predicate, on_true=on_true, on_false=on_false),
+        writes=operands.reads(dst=dst, reduce_res=reduce_res),
+    )
 
 
 def _eight(instr: str, dst: Tensor, src: Tensor) -> None:
@@ -952,23 +1322,32 @@ def nc_find_index8(dst: Tensor, data: Tensor, vals: Tensor, name: str | None = N
     """Index of the first occurrence of each of 8 values in each partition of ``data``."""
     instr = "nisa.nc_find_index8"
     dst = operands.compute_tile(dst, instr, "dst", "vector")
-    data, vals = operands.compute_tile(data, instr, "data", "vector"), operands.compute_tile(vals, instr, "vals", "vector")
+    data, vals = (
+        operands.compute_tile(data, instr, "data", "vector"),
+        operands.compute_tile(vals, instr, "vals", "vector"),
+    )
     _eight(instr, dst, data)
     if dtypes.name(dst.dtype) not in ("uint16", "uint32"):
         raise rule(instr, "dst", "must be uint16 or uint32", dtype=dtypes.name(dst.dtype))
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
-    found = _find_first(operands.rows(data).astype(np.float32, copy=False), operands.rows(vals).astype(np.float32, copy=False))
+    found = _find_first(
+        operands.rows(data).astype(np.float32, copy=False), operands.rows(vals).astype(np.float32, copy=False)
+    )
     dst.write(found.reshape(dst.shape), instr)
     runtime.current().record("vector", "nc_find_index8", reads=[("data", data), ("vals", vals)], writes=[("dst", dst)])
 
 
-def nc_match_replace8(dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_idx: Tensor | None = None,
-                      name: str | None = None) -> None:
+def nc_match_replace8(
+    dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_idx: Tensor | None = None, name: str | None = None
+) -> None:
     """Replace the first occurrence of each of 8 values with ``imm`` (and report where)."""
     instr = "nisa.nc_match_replace8"
     dst = operands.compute_tile(dst, instr, "dst", "vector")
-    data, vals = operands.compute_tile(data, instr, "data", "vector"), operands.compute_tile(vals, instr, "vals", "vector")
+    data, vals = (
+        operands.compute_tile(data, instr, "data", "vector"),
+        operands.compute_tile(vals, instr, "vals", "vector"),
+    )
     operands.same_layout(instr, "dst", dst, "data", data)
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
@@ -979,7 +1358,7 @@ def nc_match_replace8(dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_i
     # One value at a time, each searching the row as already replaced: a value repeated in
     # ``vals`` (max8 of a row with a repeated maximum) consumes a distinct occurrence each time.
     for j in range(targets.shape[1]):
-        hits = rows == targets[:, j:j + 1]
+        hits = rows == targets[:, j : j + 1]
         found = hits.any(axis=1)
         first = hits.argmax(axis=1)
         index[:, j] = np.where(found, first, 0)
@@ -988,8 +1367,12 @@ def nc_match_replace8(dst: Tensor, data: Tensor, vals: Tensor, imm: float, dst_i
     if dst_idx is not None:
         dst_idx = operands.compute_tile(dst_idx, instr, "dst_idx", "vector")
         dst_idx.write(index.reshape(dst_idx.shape), instr)
-    runtime.current().record("vector", "nc_match_replace8", reads=[("data", data), ("vals", vals)],
-                             writes=operands.reads(dst=dst, dst_idx=dst_idx))
+    runtime.current().record(
+        "vector",
+        "nc_match_replace8",
+        reads=[("data", data), ("vals", vals)],
+        writes=operands.reads(dst=dst, dst_idx=dst_idx),
+    )
 
 
 def nc_n_gather(dst: Tensor, data: Tensor, indices: Tensor, name: str | None = None) -> None:
@@ -1005,11 +1388,18 @@ def nc_n_gather(dst: Tensor, data: Tensor, indices: Tensor, name: str | None = N
     operands.same_layout(instr, "dst", dst, "indices", indices)
     idx = np.asarray(indices.read()).reshape(indices.partition_size, -1).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= data.free_size):
-        raise rule(instr, "indices", "out of range of data's elements per partition",
-                   max_index=int(idx.max()), limit=data.free_size)
+        raise rule(
+            instr,
+            "indices",
+            "out of range of data's elements per partition",
+            max_index=int(idx.max()),
+            limit=data.free_size,
+        )
     rows = np.asarray(data.read()).reshape(data.partition_size, -1)
     dst.write(np.take_along_axis(rows, idx, axis=1).reshape(dst.shape), instr)
-    runtime.current().record("gpsimd", "nc_n_gather", reads=[("data", data), ("indices", indices)], writes=[("dst", dst)])
+    runtime.current().record(
+        "gpsimd", "nc_n_gather", reads=[("data", data), ("indices", indices)], writes=[("dst", dst)]
+    )
 
 
 def nc_stream_shuffle(dst: Tensor, src: Tensor, shuffle_mask: Sequence[int], name: str | None = None) -> None:
@@ -1039,7 +1429,9 @@ def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
     instr = "nisa.bn_stats"
     dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
     if data.free_size > operands.BN_STATS_FMAX:
-        raise rule(instr, "data", "free size exceeds bn_stats_fmax", free_elements=data.free_size, limit=operands.BN_STATS_FMAX)
+        raise rule(
+            instr, "data", "free size exceeds bn_stats_fmax", free_elements=data.free_size, limit=operands.BN_STATS_FMAX
+        )
     if dst.partition_size != data.partition_size or dst.free_size != 6:
         raise rule(instr, "dst", "must hold 6 statistics per partition", dst=list(dst.shape))
     rows = operands.rows(data).astype(np.float32, copy=False)
@@ -1071,8 +1463,15 @@ def bn_aggr(dst: Tensor, data: Tensor, name: str | None = None) -> None:
     runtime.current().record("vector", "bn_aggr", reads=[("data", data)], writes=[("dst", dst)])
 
 
-def exponential(dst: Tensor, src: Tensor, max_value: Any = 0.0, reduce_res: Tensor | None = None,
-                reduce_cmd: reduce_cmd = reduce_cmd.idle, reduce_init: Any = 0.0, name: str | None = None) -> None:
+def exponential(
+    dst: Tensor,
+    src: Tensor,
+    max_value: Any = 0.0,
+    reduce_res: Tensor | None = None,
+    reduce_cmd: reduce_cmd = reduce_cmd.idle,
+    reduce_init: Any = 0.0,
+    name: str | None = None,
+) -> None:
     """NeuronCore-v4 VectorE: ``dst = exp(src - max_value)`` with an optional running sum."""
     instr = "nisa.exponential"
     run = runtime.current()
@@ -1086,11 +1485,22 @@ def exponential(dst: Tensor, src: Tensor, max_value: Any = 0.0, reduce_res: Tens
         values = np.exp(operands.rows(src).astype(np.float32, copy=False) - shift).astype(np.float32)
     dst.write(values.reshape(dst.shape), instr)
     if _CMD(reduce_cmd) != _CMD.idle:
-        _accumulate(run.vector_accumulator, parts, reduce_cmd, _OPS["add"],
-                    np.asarray(values, dtype=np.float32), reduce_init, instr)
+        _accumulate(
+            run.vector_accumulator,
+            parts,
+            reduce_cmd,
+            _OPS["add"],
+            np.asarray(values, dtype=np.float32),
+            reduce_init,
+            instr,
+        )
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
-    run.record("vector", "exponential", reads=operands.reads(src=src, max_value=max_value),
-               writes=operands.reads(dst=dst, reduce_res=reduce_res))
+    run.record(
+        "vector",
+        "exponential",
+        reads=operands.reads(src=src, max_value=max_value),
+        writes=operands.reads(dst=dst, reduce_res=reduce_res),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1115,8 +1525,13 @@ def set_rng_seed(src_seeds: Tensor, name: str | None = None) -> None:
     instr = "nisa.set_rng_seed"
     src_seeds = operands.compute_tile(src_seeds, instr, "src_seeds", "vector")
     if src_seeds.size != 1 or dtypes.itemsize(src_seeds.dtype) != 4:
-        raise rule(instr, "src_seeds", "must be a [1, 1] 32-bit tile", shape=list(src_seeds.shape),
-                   dtype=dtypes.name(src_seeds.dtype))
+        raise rule(
+            instr,
+            "src_seeds",
+            "must be a [1, 1] 32-bit tile",
+            shape=list(src_seeds.shape),
+            dtype=dtypes.name(src_seeds.dtype),
+        )
     seed = int(np.asarray(src_seeds.read()).view(np.uint32).reshape(-1)[0])
     run = runtime.current()
     run.rng = np.random.default_rng(seed)
@@ -1156,8 +1571,15 @@ def dropout(dst: Tensor, data: Tensor, prob: Any, name: str | None = None) -> No
     run.record("vector", "dropout", reads=operands.reads(data=data, prob=prob), writes=[("dst", dst)])
 
 
-def dma_compute(dst: Tensor, srcs: Sequence[Tensor], reduce_op: Any, scales: Sequence[float] | None = None,
-                unique_indices: bool = True, oob_mode: oob_mode = oob_mode.error, name: str | None = None) -> None:
+def dma_compute(
+    dst: Tensor,
+    srcs: Sequence[Tensor],
+    reduce_op: Any,
+    scales: Sequence[float] | None = None,
+    unique_indices: bool = True,
+    oob_mode: oob_mode = oob_mode.error,
+    name: str | None = None,
+) -> None:
     """``dst = srcs[0] + srcs[1] + ...`` computed in fp32 by the DMA engines."""
     instr = "nisa.dma_compute"
     red = as_alu(reduce_op, instr, "reduce_op")
@@ -1177,10 +1599,16 @@ def dma_compute(dst: Tensor, srcs: Sequence[Tensor], reduce_op: Any, scales: Seq
             raise rule(instr, f"srcs[{i}]", "element count differs from dst", src=list(src.shape), dst=list(dst.shape))
         total = total + dtypes.to_engine(np.asarray(src.read())).reshape(-1)
     dst.write(total.reshape(dst.shape), instr)
-    runtime.current().record("dma", "dma_compute", reads=[(f"srcs[{i}]", s) for i, s in enumerate(srcs)],
-                             writes=[("dst", dst)], bytes_moved=dst.nbytes * (len(srcs) + 1),
-                             partitions=dst.partition_size, bytes_per_partition=dst.nbytes // max(dst.partition_size, 1),
-                             contiguous_bytes=_contiguous_bytes(dst))
+    runtime.current().record(
+        "dma",
+        "dma_compute",
+        reads=[(f"srcs[{i}]", s) for i, s in enumerate(srcs)],
+        writes=[("dst", dst)],
+        bytes_moved=dst.nbytes * (len(srcs) + 1),
+        partitions=dst.partition_size,
+        bytes_per_partition=dst.nbytes // max(dst.partition_size, 1),
+        contiguous_bytes=_contiguous_bytes(dst),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1230,7 +1658,16 @@ def register_store(dst: Tensor, src: VirtualRegister) -> None:
 
 
 # Documented instructions this simulator does not execute: calling them says so plainly.
-for _name in ("nc_matmul_mx", "quantize_mx", "local_gather", "sequence_bounds", "nonzero_with_count",
-              "core_barrier", "sendrecv", "rand_set_state", "rand_get_state"):
+for _name in (
+    "nc_matmul_mx",
+    "quantize_mx",
+    "local_gather",
+    "sequence_bounds",
+    "nonzero_with_count",
+    "core_barrier",
+    "sendrecv",
+    "rand_set_state",
+    "rand_get_state",
+):
     globals()[_name] = unsupported(f"nisa.{_name}")
 del _name

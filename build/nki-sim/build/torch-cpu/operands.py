@@ -49,22 +49,47 @@ def compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str]
         raise rule(instr, role, "partition dim exceeds the partition count", partitions=parts, limit=PE_ARRAY)
     start = t.start_partition
     if parts > 64 and start != 0:
-        raise rule(instr, role, "an access over more than 64 partitions must start at partition 0",
-                   start_partition=start, partitions=parts)
+        raise rule(
+            instr,
+            role,
+            "an access over more than 64 partitions must start at partition 0",
+            start_partition=start,
+            partitions=parts,
+        )
     if 32 < parts <= 64 and start not in (0, 64):
-        raise rule(instr, role, "an access over 33-64 partitions must start at partition 0 or 64",
-                   start_partition=start, partitions=parts)
+        raise rule(
+            instr,
+            role,
+            "an access over 33-64 partitions must start at partition 0 or 64",
+            start_partition=start,
+            partitions=parts,
+        )
     if parts <= 32 and start % 32 and start // 32 != (start + parts - 1) // 32:
-        raise rule(instr, role, "an access over at most 32 partitions must stay within one 32-partition quadrant",
-                   start_partition=start, partitions=parts)
+        raise rule(
+            instr,
+            role,
+            "an access over at most 32 partitions must stay within one 32-partition quadrant",
+            start_partition=start,
+            partitions=parts,
+        )
     limit = VECTOR_FREE_MAX_PSUM if t.buffer == "psum" else VECTOR_FREE_MAX_SBUF
     if eng in ("vector", "scalar", "gpsimd") and t.free_size > limit:
-        raise rule(instr, role, f"free size exceeds the {t.buffer.upper()} per-instruction limit",
-                   free_elements=t.free_size, limit=limit)
+        raise rule(
+            instr,
+            role,
+            f"free size exceeds the {t.buffer.upper()} per-instruction limit",
+            free_elements=t.free_size,
+            limit=limit,
+        )
     dims = free_pattern_dims(t) if t.ndim > ACCESS_PATTERN_MAX_FREE_DIMS + 1 else 0
     if dims > ACCESS_PATTERN_MAX_FREE_DIMS:
-        raise rule(instr, role, "access pattern has too many free dimensions",
-                   free_dims=dims, limit=ACCESS_PATTERN_MAX_FREE_DIMS)
+        raise rule(
+            instr,
+            role,
+            "access pattern has too many free dimensions",
+            free_dims=dims,
+            limit=ACCESS_PATTERN_MAX_FREE_DIMS,
+        )
     return t
 
 
@@ -82,8 +107,12 @@ def free_pattern_dims(t: Tensor) -> int:
 
 def same_layout(instr: str, a_role: str, a: Tensor, b_role: str, b: Tensor) -> None:
     if a.partition_size != b.partition_size or a.free_size != b.free_size:
-        raise rule(instr, f"{a_role}/{b_role}", "must have the same partitions and elements per partition",
-                   **{a_role: list(a.shape), b_role: list(b.shape)})
+        raise rule(
+            instr,
+            f"{a_role}/{b_role}",
+            "must have the same partitions and elements per partition",
+            **{a_role: list(a.shape), b_role: list(b.shape)},
+        )
 
 
 def not_both_psum(instr: str, a_role: str, a: Any, b_role: str, b: Any) -> None:
@@ -102,8 +131,9 @@ def scalar_or_vector(x: Any, instr: str, role: str, parts: int, eng: str) -> np.
     if isinstance(x, Tensor):
         compute_tile(x, instr, role, eng)
         if x.partition_size != parts or x.free_size != 1:
-            raise rule(instr, role, "a vector operand must have shape (partitions, 1)",
-                       shape=list(x.shape), partitions=parts)
+            raise rule(
+                instr, role, "a vector operand must have shape (partitions, 1)", shape=list(x.shape), partitions=parts
+            )
         return rows(x)
     if isinstance(x, (bool, int, float, np.integer, np.floating)):
         return float(x)

@@ -25,7 +25,18 @@ HBM_KINDS = ("hbm", "shared_hbm", "private_hbm")
 class Buffer:
     """One allocation: its storage, where it lives, and (for PSUM) which elements were written."""
 
-    __slots__ = ("id", "kind", "dtype", "data", "name", "on_chip", "partition_bytes", "written", "origin", "__weakref__")
+    __slots__ = (
+        "id",
+        "kind",
+        "dtype",
+        "data",
+        "name",
+        "on_chip",
+        "partition_bytes",
+        "written",
+        "origin",
+        "__weakref__",
+    )
 
     def __init__(self, buffer_id: int, kind: str, dtype: dtypes.DType, data: np.ndarray, name: str) -> None:
         self.id = buffer_id
@@ -44,9 +55,18 @@ class Buffer:
 class Run:
     """A kernel run in progress. Instructions and allocations report here."""
 
-    def __init__(self, target: Target, *, capacity: str = "error", program_id: tuple[int, ...] = (0,),
-                 grid: tuple[int, ...] = (1,), trace: Trace | None = None,
-                 shared: dict[int, Buffer] | None = None, seed: int = 0, explicit_grid: bool = False) -> None:
+    def __init__(
+        self,
+        target: Target,
+        *,
+        capacity: str = "error",
+        program_id: tuple[int, ...] = (0,),
+        grid: tuple[int, ...] = (1,),
+        trace: Trace | None = None,
+        shared: dict[int, Buffer] | None = None,
+        seed: int = 0,
+        explicit_grid: bool = False,
+    ) -> None:
         if capacity not in ("error", "warn"):
             raise ValueError(f"capacity must be 'error' or 'warn', got {capacity!r}")
         self.target = target
@@ -65,8 +85,9 @@ class Run:
         self.vector_accumulator = np.zeros(target.partitions, dtype=np.float32)
 
     # -- allocation -------------------------------------------------------------------------
-    def allocate(self, shape: tuple[int, ...], dtype: dtypes.DType, kind: str, name: str = "",
-                 fill: Any = None) -> Buffer:
+    def allocate(
+        self, shape: tuple[int, ...], dtype: dtypes.DType, kind: str, name: str = "", fill: Any = None
+    ) -> Buffer:
         storage = dtypes.storage(dtype)
         if kind == "shared_hbm" and self.grid != (1,):
             # All SPMD programs see one shared_hbm tensor per allocation site (in program order).
@@ -116,9 +137,17 @@ class Run:
         self._live[kind] -= nbytes
 
     # -- tracing ----------------------------------------------------------------------------
-    def record(self, engine: str, op: str, *, reads: Iterable[tuple[str, Tensor]] = (),
-               writes: Iterable[tuple[str, Tensor]] = (), bytes_moved: int = 0, flops: int = 0,
-               **attrs: Any) -> Instruction:
+    def record(
+        self,
+        engine: str,
+        op: str,
+        *,
+        reads: Iterable[tuple[str, Tensor]] = (),
+        writes: Iterable[tuple[str, Tensor]] = (),
+        bytes_moved: int = 0,
+        flops: int = 0,
+        **attrs: Any,
+    ) -> Instruction:
         reads = [(role, t) for role, t in reads if t is not None]
         writes = [(role, t) for role, t in writes if t is not None]
         operands = tuple(Operand(role, t.shape, dtypes.name(t.dtype), t.buffer) for role, t in writes + reads)
@@ -131,11 +160,20 @@ class Run:
         hbm_read = sum(t.nbytes for _, t in reads if t.buffer in HBM_KINDS)
         hbm_written = sum(t.nbytes for _, t in writes if t.buffer in HBM_KINDS)
         inst = Instruction(
-            index=len(self.trace.instructions), engine=engine, op=op, operands=operands,
-            reads=tuple(t.region() for _, t in reads), writes=tuple(t.region() for _, t in writes),
-            partitions=partitions, free_elements=free, bytes_moved=bytes_moved,
-            hbm_bytes_read=hbm_read, hbm_bytes_written=hbm_written, flops=flops,
-            program=self.program_id, attrs=attrs,
+            index=len(self.trace.instructions),
+            engine=engine,
+            op=op,
+            operands=operands,
+            reads=tuple(t.region() for _, t in reads),
+            writes=tuple(t.region() for _, t in writes),
+            partitions=partitions,
+            free_elements=free,
+            bytes_moved=bytes_moved,
+            hbm_bytes_read=hbm_read,
+            hbm_bytes_written=hbm_written,
+            flops=flops,
+            program=self.program_id,
+            attrs=attrs,
         )
         self.trace.instructions.append(inst)
         return inst

@@ -28,8 +28,10 @@ class Region(NamedTuple):
     def overlaps(self, other: Region) -> bool:
         return (
             self.buffer_id == other.buffer_id
-            and self.p0 < other.p1 and other.p0 < self.p1
-            and self.b0 < other.b1 and other.b0 < self.b1
+            and self.p0 < other.p1
+            and other.p0 < self.p1
+            and self.b0 < other.b1
+            and other.b0 < self.b1
         )
 
 

@@ -70,14 +70,19 @@ def resident_bwd_bytes(queries, keys, head_dim, element_bytes):
 
 def _check_residency(what, needed, limit):
     if needed > limit:
-        raise ValueError(f"flash_attn: {what} need {needed:,} bytes of SBUF per partition, above the limit of {limit:,}")
+        raise ValueError(
+            f"flash_attn: {what} need {needed:,} bytes of SBUF per partition, above the limit of {limit:,}"
+        )
 
 
 def check_forward_residency(keys, head_dim, element_bytes):
     """One launch holds a KV head's keys in SBUF: raise ValueError naming the bytes and the limit
     beyond that (the torch op splits longer attention into several launches)."""
-    _check_residency(f"{keys} keys of head_dim {head_dim} ({element_bytes}-byte K and V)",
-                     resident_kv_bytes(keys, head_dim, element_bytes), MAX_RESIDENT_KV_BYTES)
+    _check_residency(
+        f"{keys} keys of head_dim {head_dim} ({element_bytes}-byte K and V)",
+        resident_kv_bytes(keys, head_dim, element_bytes),
+        MAX_RESIDENT_KV_BYTES,
+    )
 
 
 def check_shapes(q_shape, k_shape, v_shape, bias_shape=None):
@@ -100,8 +105,9 @@ def check_shapes(q_shape, k_shape, v_shape, bias_shape=None):
     if bias_shape is not None:
         bb, bh, bq, bk = bias_shape
         if bb not in (1, b) or bh not in (1, h) or (bq, bk) != (sq, sk):
-            raise ValueError(f"flash_attn: mask/bias of shape {tuple(bias_shape)} does not broadcast to "
-                             f"[{b}, {h}, {sq}, {sk}]")
+            raise ValueError(
+                f"flash_attn: mask/bias of shape {tuple(bias_shape)} does not broadcast to [{b}, {h}, {sq}, {sk}]"
+            )
 
 
 def _transposed_blocks(src, rows, cols, dtype, keep_rows=False):
@@ -112,11 +118,11 @@ def _transposed_blocks(src, rows, cols, dtype, keep_rows=False):
     row_tiles = []
     for r0, r in tiles(rows, P):
         tile = nl.ndarray((r, cols), dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=src[r0:r0 + r, :])
+        nisa.dma_copy(dst=tile, src=src[r0 : r0 + r, :])
         for block, (c0, c) in zip(blocks, tiles(cols, P)):
             flipped = nl.ndarray((c, r), dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=flipped, data=tile[:, c0:c0 + c])
-            nisa.tensor_copy(dst=block[:, r0:r0 + r], src=flipped)
+            nisa.nc_transpose(dst=flipped, data=tile[:, c0 : c0 + c])
+            nisa.tensor_copy(dst=block[:, r0 : r0 + r], src=flipped)
         if keep_rows:
             row_tiles.append(tile)
     return (blocks, row_tiles) if keep_rows else blocks
@@ -196,10 +202,20 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
     for b in range(batch):
         for g in range(kv_heads):
             keys = _KeysAndValues(k, v, b, g, bias)
-            query_tiles = [_QueryTile(q, b, h, _Visibility(lo + q0, rows, causal, window, offset, lo,
-                                                           hi if segments else sk), scale, softcap, keys)
-                           for h in range(g * group, (g + 1) * group) for lo, hi in spans
-                           for q0, rows in tiles(hi - lo, P)]
+            query_tiles = [
+                _QueryTile(
+                    q,
+                    b,
+                    h,
+                    _Visibility(lo + q0, rows, causal, window, offset, lo, hi if segments else sk),
+                    scale,
+                    softcap,
+                    keys,
+                )
+                for h in range(g * group, (g + 1) * group)
+                for lo, hi in spans
+                for q0, rows in tiles(hi - lo, P)
+            ]
             for tile in query_tiles:
                 if not tile.steps:  # sees no key at all (queries before the first key): zeros
                     tile.start()
@@ -220,8 +236,16 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
 
 
 # (stage, items ahead of the last stage): the order is each engine's issue order within a tick.
-_FWD_STAGES = (("load_inputs", 11), ("scores", 8), ("row_max", 7), ("exponentiate", 6),
-               ("transpose_probs", 4), ("evict_probs", 3), ("multiply_values", 1), ("rescale", 0))
+_FWD_STAGES = (
+    ("load_inputs", 11),
+    ("scores", 8),
+    ("row_max", 7),
+    ("exponentiate", 6),
+    ("transpose_probs", 4),
+    ("evict_probs", 3),
+    ("multiply_values", 1),
+    ("rescale", 0),
+)
 
 
 def _pipeline_order(query_tiles):
@@ -265,16 +289,16 @@ class _KeysAndValues(nl.NKIObject):
             c0, cc = index * P, min(P, sk - index * P)
             for block, (d0, dc) in zip(self.k_t, tiles(d, P)):
                 if _two_byte(k.dtype):
-                    nisa.dma_transpose(dst=block[:, c0:c0 + cc], src=k[b, g, c0:c0 + cc, d0:d0 + dc])
+                    nisa.dma_transpose(dst=block[:, c0 : c0 + cc], src=k[b, g, c0 : c0 + cc, d0 : d0 + dc])
                 else:
                     rows = nl.ndarray((cc, dc), k.dtype, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=rows, src=k[b, g, c0:c0 + cc, d0:d0 + dc])
+                    nisa.dma_copy(dst=rows, src=k[b, g, c0 : c0 + cc, d0 : d0 + dc])
                     flipped = nl.ndarray((dc, cc), k.dtype, buffer=nl.psum)
                     nisa.nc_transpose(dst=flipped, data=rows)
-                    nisa.tensor_copy(dst=block[:, c0:c0 + cc], src=flipped)
+                    nisa.tensor_copy(dst=block[:, c0 : c0 + cc], src=flipped)
             v_tile = nl.ndarray((cc, d + 1), v.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=v_tile[:, 0:d], src=v[b, g, c0:c0 + cc, :])
-            nisa.memset(dst=v_tile[:, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
+            nisa.dma_copy(dst=v_tile[:, 0:d], src=v[b, g, c0 : c0 + cc, :])
+            nisa.memset(dst=v_tile[:, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
             self.v_tiles[index] = v_tile
 
 
@@ -322,12 +346,12 @@ class _QueryTile(nl.NKIObject):
         if step:
             return
         rows, d, q0 = self.rows, self.d, self.seen.q0
-        src = self.q[self.b, self.h, q0:q0 + rows, :]
+        src = self.q[self.b, self.h, q0 : q0 + rows, :]
         if _two_byte(self.dtype):
             self.q_t = []
             for c0, dc in tiles(d, P):
                 block = nl.ndarray((dc, rows), self.dtype, buffer=nl.sbuf)
-                nisa.dma_transpose(dst=block, src=src[:, c0:c0 + dc])
+                nisa.dma_transpose(dst=block, src=src[:, c0 : c0 + dc])
                 self.q_t.append(block)
         else:
             self.q_t = _transposed_blocks(src, rows, d, self.dtype)
@@ -342,7 +366,9 @@ class _QueryTile(nl.NKIObject):
         scores = nl.ndarray((rows, kc), nl.float32, buffer=nl.psum)
         for c0, cw in tiles(kc, MATMUL_COLUMNS):
             for q_block, k_block in zip(self.q_t, self.keys.k_t):
-                nisa.nc_matmul(dst=scores[:, c0:c0 + cw], stationary=q_block, moving=k_block[:, k0 + c0:k0 + c0 + cw])
+                nisa.nc_matmul(
+                    dst=scores[:, c0 : c0 + cw], stationary=q_block, moving=k_block[:, k0 + c0 : k0 + c0 + cw]
+                )
         t = scores
         if self.softcap:
             capped = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
@@ -351,11 +377,19 @@ class _QueryTile(nl.NKIObject):
         bias = self.keys.bias
         if bias is not None:
             bias_tile = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=bias_tile, src=bias[min(self.b, bias.shape[0] - 1), min(self.h, bias.shape[1] - 1),
-                                                  seen.q0:seen.q0 + rows, k0:k0 + kc])
+            nisa.dma_copy(
+                dst=bias_tile,
+                src=bias[
+                    min(self.b, bias.shape[0] - 1),
+                    min(self.h, bias.shape[1] - 1),
+                    seen.q0 : seen.q0 + rows,
+                    k0 : k0 + kc,
+                ],
+            )
             biased = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=biased, data=bias_tile, op0=nl.multiply, operand0=1.0 / self.exp_scale,
-                                      op1=nl.add, operand1=t)
+            nisa.scalar_tensor_tensor(
+                dst=biased, data=bias_tile, op0=nl.multiply, operand0=1.0 / self.exp_scale, op1=nl.add, operand1=t
+            )
             t = biased
         item = _KeyStep(k0, kc)
         item.scores, item.in_psum = t, t is scores
@@ -379,17 +413,38 @@ class _QueryTile(nl.NKIObject):
             for c0, cw in tiles(kc, MATMUL_COLUMNS):
                 command = nisa.reduce_cmd.reset_reduce if c0 == 0 else nisa.reduce_cmd.reduce
                 if masked:
-                    nisa.range_select(dst=logits[:, c0:c0 + cw], on_true_tile=t[:, c0:c0 + cw],
-                                      comp_op0=nl.greater_equal, comp_op1=nl.less_equal, bound0=lower, bound1=upper,
-                                      reduce_cmd=command, reduce_res=tile_max, reduce_op=nl.maximum,
-                                      range_start=k0 + c0)
+                    nisa.range_select(
+                        dst=logits[:, c0 : c0 + cw],
+                        on_true_tile=t[:, c0 : c0 + cw],
+                        comp_op0=nl.greater_equal,
+                        comp_op1=nl.less_equal,
+                        bound0=lower,
+                        bound1=upper,
+                        reduce_cmd=command,
+                        reduce_res=tile_max,
+                        reduce_op=nl.maximum,
+                        range_start=k0 + c0,
+                    )
                 else:
-                    nisa.tensor_scalar_reduce(dst=logits[:, c0:c0 + cw], data=t[:, c0:c0 + cw], op0=nl.multiply,
-                                              operand0=1.0, reduce_op=nl.maximum, reduce_res=tile_max,
-                                              reduce_cmd=command)
+                    nisa.tensor_scalar_reduce(
+                        dst=logits[:, c0 : c0 + cw],
+                        data=t[:, c0 : c0 + cw],
+                        op0=nl.multiply,
+                        operand0=1.0,
+                        reduce_op=nl.maximum,
+                        reduce_res=tile_max,
+                        reduce_cmd=command,
+                    )
         neg_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=neg_max, data=tile_max, op0=nl.multiply, operand0=-self.exp_scale,
-                           op1=nl.minimum, operand1=self.neg_running_max, engine=nisa.engine.gpsimd)
+        nisa.tensor_scalar(
+            dst=neg_max,
+            data=tile_max,
+            op0=nl.multiply,
+            operand0=-self.exp_scale,
+            op1=nl.minimum,
+            operand1=self.neg_running_max,
+            engine=nisa.engine.gpsimd,
+        )
         item.logits, item.old_neg_max, item.neg_max, item.scores = logits, self.neg_running_max, neg_max, None
         self.neg_running_max = neg_max
 
@@ -417,10 +472,10 @@ class _QueryTile(nl.NKIObject):
             by_dma = _two_byte(self.dtype) and index * share // period != (index + 1) * share // period
             if by_dma:
                 probs_t = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.sbuf)
-                nisa.dma_transpose(dst=probs_t, src=probs[:, c0:c0 + cc])
+                nisa.dma_transpose(dst=probs_t, src=probs[:, c0 : c0 + cc])
             else:
                 probs_t = nl.ndarray((cc, self.rows), self.dtype, buffer=nl.psum)
-                nisa.nc_transpose(dst=probs_t, data=probs[:, c0:c0 + cc])
+                nisa.nc_transpose(dst=probs_t, data=probs[:, c0 : c0 + cc])
             blocks.append((c0, cc, probs_t, by_dma))
         item.blocks = blocks
 
@@ -448,28 +503,29 @@ class _QueryTile(nl.NKIObject):
         for c0, cc, probs_t, _ in item.blocks:
             v_tile = self.keys.v_tiles[(item.k0 + c0) // P]
             first = (item.k0 + c0) % P
-            nisa.nc_matmul(dst=pv, stationary=probs_t, moving=v_tile[first:first + cc, :])
+            nisa.nc_matmul(dst=pv, stationary=probs_t, moving=v_tile[first : first + cc, :])
         item.pv, item.blocks = pv, None
 
     def rescale(self, step):
         """acc = acc * correction + [P V | rowsum P]."""
         item = self.pending.pop(step)
-        nisa.scalar_tensor_tensor(dst=self.acc, data=self.acc, op0=nl.multiply, operand0=item.correction,
-                                  op1=nl.add, operand1=item.pv)
+        nisa.scalar_tensor_tensor(
+            dst=self.acc, data=self.acc, op0=nl.multiply, operand0=item.correction, op1=nl.add, operand1=item.pv
+        )
 
     def finish(self, out, lse_out):
         """out = acc / sum on GpSimd (a row that saw no key has acc = 0 and sum = 0, and stays 0); lse."""
         rows, d, q0 = self.rows, self.d, self.seen.q0
         gpsimd = nisa.engine.gpsimd
         safe_sum = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=safe_sum, data=self.acc[:, d:d + 1], op0=nl.maximum, operand0=1e-30, engine=gpsimd)
+        nisa.tensor_scalar(dst=safe_sum, data=self.acc[:, d : d + 1], op0=nl.maximum, operand0=1e-30, engine=gpsimd)
         result = nl.ndarray((rows, d), self.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=result, data=self.acc[:, 0:d], op0=nl.divide, operand0=safe_sum, engine=gpsimd)
-        nisa.dma_copy(dst=out[self.b, self.h, q0:q0 + rows, :], src=result)
+        nisa.dma_copy(dst=out[self.b, self.h, q0 : q0 + rows, :], src=result)
         lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=lse, op=nl.log, data=safe_sum)
         nisa.tensor_tensor(dst=lse, data1=lse, data2=self.neg_running_max, op=nl.subtract, engine=gpsimd)
-        nisa.dma_copy(dst=lse_out[self.b, self.h, q0:q0 + rows].reshape((rows, 1)), src=lse)
+        nisa.dma_copy(dst=lse_out[self.b, self.h, q0 : q0 + rows].reshape((rows, 1)), src=lse)
         self.q_t = self.acc = None
 
 
@@ -501,8 +557,11 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
     check_forward_residency(k.shape[2], k.shape[3], element_bytes)
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
-    _check_residency(f"the backward of {sq} queries and {sk} keys of head_dim {d}",
-                     resident_bwd_bytes(sq, sk, d, element_bytes), MAX_RESIDENT_BWD_BYTES)
+    _check_residency(
+        f"the backward of {sq} queries and {sk} keys of head_dim {d}",
+        resident_bwd_bytes(sq, sk, d, element_bytes),
+        MAX_RESIDENT_BWD_BYTES,
+    )
     group = heads // kv_heads
     dq = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray((batch, kv_heads, sk, d), k.dtype, buffer=nl.shared_hbm)
@@ -516,9 +575,19 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
             dk_acc = [_zeros((kr, d)) for _, kr in key_blocks]
             dv_acc = [_zeros((kr, d)) for _, kr in key_blocks]
             for h in range(g * group, (g + 1) * group):
-                rows_of = [_QuerySide(q, out, dout, lse, b, h, _Visibility(lo + q0, rows, causal, window, offset, lo,
-                                                                            hi if segments else sk))
-                           for lo, hi in spans for q0, rows in tiles(hi - lo, P)]
+                rows_of = [
+                    _QuerySide(
+                        q,
+                        out,
+                        dout,
+                        lse,
+                        b,
+                        h,
+                        _Visibility(lo + q0, rows, causal, window, offset, lo, hi if segments else sk),
+                    )
+                    for lo, hi in spans
+                    for q0, rows in tiles(hi - lo, P)
+                ]
                 for k0, kc in tiles(sk, KEY_TILE):
                     keys = _KeySide(k, v, b, g, k0, kc)
                     dk_psum = [nl.ndarray((kr, d), nl.float32, buffer=nl.psum) for _, kr in tiles(kc, P)]
@@ -527,7 +596,7 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
                     # BWD_INTERLEAVE query tiles at a time, each phase issued for all of them before the
                     # next: one tile's TensorE work overlaps the other's element-wise work.
                     for i in range(0, len(active), BWD_INTERLEAVE):
-                        sides = active[i:i + BWD_INTERLEAVE]
+                        sides = active[i : i + BWD_INTERLEAVE]
                         for side in sides:
                             side.products(keys)
                         for side in sides:
@@ -551,12 +620,13 @@ def flash_attn_bwd(q, k, v, out, dout, lse, bias, scale, causal, window, softcap
                 del rows_of
             for block, (k0, kr) in enumerate(key_blocks):
                 dk_tile = nl.ndarray((kr, d), k.dtype, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=dk_tile, data=dk_acc[block], op0=nl.multiply,
-                                   operand0=scale if not softcap else 1.0)
-                nisa.dma_copy(dst=dk[b, g, k0:k0 + kr, :], src=dk_tile)
+                nisa.tensor_scalar(
+                    dst=dk_tile, data=dk_acc[block], op0=nl.multiply, operand0=scale if not softcap else 1.0
+                )
+                nisa.dma_copy(dst=dk[b, g, k0 : k0 + kr, :], src=dk_tile)
                 dv_tile = nl.ndarray((kr, d), v.dtype, buffer=nl.sbuf)
                 nisa.tensor_copy(dst=dv_tile, src=dv_acc[block])
-                nisa.dma_copy(dst=dv[b, g, k0:k0 + kr, :], src=dv_tile)
+                nisa.dma_copy(dst=dv[b, g, k0 : k0 + kr, :], src=dv_tile)
             del dk_acc, dv_acc
     return dq, dk, dv
 
@@ -572,8 +642,8 @@ class _KeySide(nl.NKIObject):
 
     def __init__(self, k, v, b, g, k0, kc):
         self.k0, self.kc = k0, kc
-        self.k_t, self.k_rows = _transposed_blocks(k[b, g, k0:k0 + kc, :], kc, k.shape[3], k.dtype, keep_rows=True)
-        self.v_t = _transposed_blocks(v[b, g, k0:k0 + kc, :], kc, v.shape[3], v.dtype)
+        self.k_t, self.k_rows = _transposed_blocks(k[b, g, k0 : k0 + kc, :], kc, k.shape[3], k.dtype, keep_rows=True)
+        self.v_t = _transposed_blocks(v[b, g, k0 : k0 + kc, :], kc, v.shape[3], v.dtype)
 
 
 class _QuerySide(nl.NKIObject):
@@ -584,14 +654,15 @@ class _QuerySide(nl.NKIObject):
         rows, d = seen.rows, q.shape[3]
         q0 = seen.q0
         self.rows, self.d, self.dtype = rows, d, q.dtype
-        self.q_t, (self.q_rows,) = _transposed_blocks(q[b, h, q0:q0 + rows, :], rows, d, q.dtype, keep_rows=True)
-        self.do_t, (self.do_rows,) = _transposed_blocks(dout[b, h, q0:q0 + rows, :], rows, d, dout.dtype,
-                                                        keep_rows=True)
+        self.q_t, (self.q_rows,) = _transposed_blocks(q[b, h, q0 : q0 + rows, :], rows, d, q.dtype, keep_rows=True)
+        self.do_t, (self.do_rows,) = _transposed_blocks(
+            dout[b, h, q0 : q0 + rows, :], rows, d, dout.dtype, keep_rows=True
+        )
         self.neg_lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=self.neg_lse, src=lse[b, h, q0:q0 + rows].reshape((rows, 1)))
+        nisa.dma_copy(dst=self.neg_lse, src=lse[b, h, q0 : q0 + rows].reshape((rows, 1)))
         nisa.tensor_scalar(dst=self.neg_lse, data=self.neg_lse, op0=nl.multiply, operand0=-1.0)
         o_rows = nl.ndarray((rows, d), out.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=o_rows, src=out[b, h, q0:q0 + rows, :])
+        nisa.dma_copy(dst=o_rows, src=out[b, h, q0 : q0 + rows, :])
         products = nl.ndarray((rows, d), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=products, data1=o_rows, data2=self.do_rows, op=nl.multiply)
         self.delta = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
@@ -622,17 +693,27 @@ class _QuerySide(nl.NKIObject):
         if bias is not None:
             bias_tile = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
             q0 = self.seen.q0
-            nisa.dma_copy(dst=bias_tile, src=bias[min(self.b, bias.shape[0] - 1), min(self.h, bias.shape[1] - 1),
-                                                  q0:q0 + rows, k0:k0 + kc])
+            nisa.dma_copy(
+                dst=bias_tile,
+                src=bias[min(self.b, bias.shape[0] - 1), min(self.h, bias.shape[1] - 1), q0 : q0 + rows, k0 : k0 + kc],
+            )
             biased = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=biased, data=bias_tile, op0=nl.multiply, operand0=1.0 / exp_scale,
-                                      op1=nl.add, operand1=t)
+            nisa.scalar_tensor_tensor(
+                dst=biased, data=bias_tile, op0=nl.multiply, operand0=1.0 / exp_scale, op1=nl.add, operand1=t
+            )
             logits = biased
         if self.seen.masks(k0, kc):
             lower, upper = self.seen.bounds()
             masked = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
-            nisa.range_select(dst=masked, on_true_tile=logits, comp_op0=nl.greater_equal, comp_op1=nl.less_equal,
-                              bound0=lower, bound1=upper, range_start=k0)
+            nisa.range_select(
+                dst=masked,
+                on_true_tile=logits,
+                comp_op0=nl.greater_equal,
+                comp_op1=nl.less_equal,
+                bound0=lower,
+                bound1=upper,
+                range_start=k0,
+            )
             logits = masked
         self.probs = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
         nisa.activation(dst=self.probs, op=nl.exp, data=logits, bias=self.neg_lse, scale=exp_scale)
@@ -642,14 +723,16 @@ class _QuerySide(nl.NKIObject):
         """dS = P * (dP - delta) (times the softcap's tanh derivative)."""
         rows, kc = self.rows, self.probs.shape[1]
         dscores = nl.ndarray((rows, kc), self.dtype if not softcap else nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=dscores, data=self.dprobs, op0=nl.subtract, operand0=self.delta,
-                                  op1=nl.multiply, operand1=self.probs)
+        nisa.scalar_tensor_tensor(
+            dst=dscores, data=self.dprobs, op0=nl.subtract, operand0=self.delta, op1=nl.multiply, operand1=self.probs
+        )
         if softcap:
             # d(cap * tanh(u)) / du = cap * (1 - tanh^2) with u = scale * s / cap: ds = dL * scale * (1 - t^2)
             one_minus = nl.ndarray((rows, kc), nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=one_minus, data1=self.tanh, data2=self.tanh, op=nl.multiply)
-            nisa.tensor_scalar(dst=one_minus, data=one_minus, op0=nl.multiply, operand0=-scale, op1=nl.add,
-                               operand1=scale)
+            nisa.tensor_scalar(
+                dst=one_minus, data=one_minus, op0=nl.multiply, operand0=-scale, op1=nl.add, operand1=scale
+            )
             scaled = nl.ndarray((rows, kc), self.dtype, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=scaled, data1=dscores, data2=one_minus, op=nl.multiply)
             dscores = scaled
@@ -660,10 +743,10 @@ class _QuerySide(nl.NKIObject):
         kc = self.probs.shape[1]
         self.ds_t_psum = []
         for j, (c0, cr) in enumerate(tiles(kc, P)):
-            nisa.nc_matmul(dst=dv_psum[j], stationary=self.probs[:, c0:c0 + cr], moving=self.do_rows)
-            nisa.nc_matmul(dst=dk_psum[j], stationary=self.dscores[:, c0:c0 + cr], moving=self.q_rows)
+            nisa.nc_matmul(dst=dv_psum[j], stationary=self.probs[:, c0 : c0 + cr], moving=self.do_rows)
+            nisa.nc_matmul(dst=dk_psum[j], stationary=self.dscores[:, c0 : c0 + cr], moving=self.q_rows)
             flipped = nl.ndarray((cr, self.rows), self.dscores.dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=flipped, data=self.dscores[:, c0:c0 + cr])
+            nisa.nc_transpose(dst=flipped, data=self.dscores[:, c0 : c0 + cr])
             self.ds_t_psum.append(flipped)
         self.probs = None
 
@@ -684,4 +767,4 @@ class _QuerySide(nl.NKIObject):
         result = nl.ndarray((self.rows, self.d), self.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=result, data=self.dq_acc, op0=nl.multiply, operand0=factor)
         q0 = self.seen.q0
-        nisa.dma_copy(dst=dq[self.b, self.h, q0:q0 + self.rows, :], src=result)
+        nisa.dma_copy(dst=dq[self.b, self.h, q0 : q0 + self.rows, :], src=result)

@@ -89,18 +89,24 @@ def check_shapes(x_shape, gate_shape, up_shape, down_shape, activation, dtypes=N
     if tokens < 1:
         raise ValueError(f"mlp: x has no tokens (shape {tuple(x_shape)})")
     if len(down_shape) != 2 or down_shape[0] != hidden:
-        raise ValueError(f"mlp: down weight of shape {tuple(down_shape)} does not match hidden size {hidden} "
-                         f"(expected [{hidden}, intermediate])")
+        raise ValueError(
+            f"mlp: down weight of shape {tuple(down_shape)} does not match hidden size {hidden} "
+            f"(expected [{hidden}, intermediate])"
+        )
     inter = down_shape[1]
     if up_shape is None:
         if tuple(gate_shape) != (2 * inter, hidden):
-            raise ValueError(f"mlp: fused gate_up weight of shape {tuple(gate_shape)} does not match "
-                             f"[2 * {inter}, {hidden}] (from down weight {tuple(down_shape)} and x {tuple(x_shape)})")
+            raise ValueError(
+                f"mlp: fused gate_up weight of shape {tuple(gate_shape)} does not match "
+                f"[2 * {inter}, {hidden}] (from down weight {tuple(down_shape)} and x {tuple(x_shape)})"
+            )
     else:
         for name, shape in (("gate", gate_shape), ("up", up_shape)):
             if tuple(shape) != (inter, hidden):
-                raise ValueError(f"mlp: {name} weight of shape {tuple(shape)} does not match [{inter}, {hidden}] "
-                                 f"(from down weight {tuple(down_shape)} and x {tuple(x_shape)})")
+                raise ValueError(
+                    f"mlp: {name} weight of shape {tuple(shape)} does not match [{inter}, {hidden}] "
+                    f"(from down weight {tuple(down_shape)} and x {tuple(x_shape)})"
+                )
     if not 1 <= inter <= MAX_INTERMEDIATE:
         raise ValueError(f"mlp: intermediate size {inter} is outside the supported range 1..{MAX_INTERMEDIATE}")
     name = None
@@ -113,8 +119,10 @@ def check_shapes(x_shape, gate_shape, up_shape, down_shape, activation, dtypes=N
             raise ValueError(f"mlp: dtype {name} is not supported; use one of {DTYPES}")
     limit = MAX_HIDDEN if name is None else max_hidden(name)
     if not 1 <= hidden <= limit:
-        raise ValueError(f"mlp: hidden size {hidden} is outside the supported range 1..{limit}"
-                         + ("" if name is None else f" for {name}"))
+        raise ValueError(
+            f"mlp: hidden size {hidden} is outside the supported range 1..{limit}"
+            + ("" if name is None else f" for {name}")
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,25 +157,25 @@ def _transpose_rows_into(dst, src_rows, rows, cols, dtype, evictions):
     blocks = list(tiles(cols, P))
     group = _group_size(dtype)
     for g0 in range(0, len(blocks), group):
-        members = blocks[g0:g0 + group]
+        members = blocks[g0 : g0 + group]
         bank = nl.ndarray((P, group * P), dtype, buffer=nl.psum)
         for j, (c0, c) in enumerate(members):
-            nisa.nc_transpose(dst=bank[:c, j * P:j * P + rows], data=src_rows[:rows, c0:c0 + c])
+            nisa.nc_transpose(dst=bank[:c, j * P : j * P + rows], data=src_rows[:rows, c0 : c0 + c])
         width = members[0][1]  # full blocks share one eviction; a partial last block is evicted alone
         full = [m for m in members if m[1] == width]
-        view = bank[:width, :len(full) * P].reshape((width, len(full), P))
-        evictions.evict(dst[:width, g0:g0 + len(full), :rows], view[:, :, :rows])
+        view = bank[:width, : len(full) * P].reshape((width, len(full), P))
+        evictions.evict(dst[:width, g0 : g0 + len(full), :rows], view[:, :, :rows])
         if len(full) < len(members):
             (c0, c), j = members[-1], len(members) - 1
-            evictions.evict(dst[:c, g0 + j, :rows], bank[:c, j * P:j * P + rows])
+            evictions.evict(dst[:c, g0 + j, :rows], bank[:c, j * P : j * P + rows])
 
 
 def _load_transposed_tokens(out, src, t0, tokens, width, dtype, evictions):
     """out[:, :, :tokens] = src[t0 : t0 + tokens, :width]^T, feature-major: out is [P, ceil(width/128), >= tokens]."""
     for r0, rows in tiles(tokens, P):
         tile = nl.ndarray((rows, width), dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=src[t0 + r0:t0 + r0 + rows, :])
-        _transpose_rows_into(out[:, :, r0:r0 + rows], tile, rows, width, dtype, evictions)
+        nisa.dma_copy(dst=tile, src=src[t0 + r0 : t0 + r0 + rows, :])
+        _transpose_rows_into(out[:, :, r0 : r0 + rows], tile, rows, width, dtype, evictions)
 
 
 def _load_weight_transposed(weight, r0, rows, cols, dtype, evictions):
@@ -175,8 +183,8 @@ def _load_weight_transposed(weight, r0, rows, cols, dtype, evictions):
     out = nl.ndarray((P, ceil_div(cols, P), rows), dtype, buffer=nl.sbuf)
     for c0, c in tiles(cols, WEIGHT_ROW_CHUNK):
         raw = nl.ndarray((rows, c), dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=raw, src=weight[r0:r0 + rows, c0:c0 + c])
-        _transpose_rows_into(out[:, c0 // P:, :], raw, rows, c, dtype, evictions)
+        nisa.dma_copy(dst=raw, src=weight[r0 : r0 + rows, c0 : c0 + c])
+        _transpose_rows_into(out[:, c0 // P :, :], raw, rows, c, dtype, evictions)
     return out
 
 
@@ -213,8 +221,10 @@ def forward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
         fit = (sbuf_bytes - fixed) // per_tile
         if fit >= 1:
             return block, min(i_tiles, fit)
-    raise ValueError(f"mlp: hidden size {hidden} with intermediate size {inter} ({dtype_name(dtype)}) does not "
-                     f"fit the {sbuf_bytes // 1024} KiB of SBUF per partition")
+    raise ValueError(
+        f"mlp: hidden size {hidden} with intermediate size {inter} ({dtype_name(dtype)}) does not "
+        f"fit the {sbuf_bytes // 1024} KiB of SBUF per partition"
+    )
 
 
 class _Forward(nl.NKIObject):
@@ -238,12 +248,12 @@ class _Forward(nl.NKIObject):
                 gate = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
                 up = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
                 for k, (_, hsz) in enumerate(h_tiles):
-                    nisa.nc_matmul(dst=gate, stationary=wg_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0:tt0 + tt])
+                    nisa.nc_matmul(dst=gate, stationary=wg_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0 : tt0 + tt])
                 for k, (_, hsz) in enumerate(h_tiles):
-                    nisa.nc_matmul(dst=up, stationary=wu_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0:tt0 + tt])
+                    nisa.nc_matmul(dst=up, stationary=wu_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0 : tt0 + tt])
                 activated = nl.ndarray((isz, tt), nl.float32, buffer=nl.sbuf)
                 nisa.activation(dst=activated, op=_act_op(self.activation), data=gate)
-                nisa.tensor_tensor(dst=self.act_t[:isz, j, tt0:tt0 + tt], data1=activated, data2=up, op=nl.multiply)
+                nisa.tensor_tensor(dst=self.act_t[:isz, j, tt0 : tt0 + tt], data1=activated, data2=up, op=nl.multiply)
                 if self.saved is not None:
                     self._save_gate_up(gate, up, t0 + tt0, tt, i0 // P, isz)
 
@@ -255,7 +265,7 @@ class _Forward(nl.NKIObject):
             self.evictions.evict(rounded, src)
             for c0, c in tiles(tt, width):
                 block, col = (t_start + c0) // width, (t_start + c0) % width
-                nisa.dma_copy(dst=self.saved[block, :isz, k, i_tile, col:col + c], src=rounded[:, c0:c0 + c])
+                nisa.dma_copy(dst=self.saved[block, :isz, k, i_tile, col : col + c], src=rounded[:, c0 : c0 + c])
 
     def down(self, part, t0, t_block, first, last):
         """y^T (+)= Wd[:, part] a^T[part] for every hidden tile; the last part writes y."""
@@ -263,22 +273,22 @@ class _Forward(nl.NKIObject):
         p0 = part[0][0]
         p_cols = part[-1][0] + part[-1][1] - p0
         for h0, hsz in tiles(self.hidden, P):
-            wd_t = _load_weight_transposed(self.w_down[:, p0:p0 + p_cols], h0, hsz, p_cols, dtype, self.evictions)
+            wd_t = _load_weight_transposed(self.w_down[:, p0 : p0 + p_cols], h0, hsz, p_cols, dtype, self.evictions)
             y_t = nl.ndarray((hsz, t_block), dtype if last else nl.float32, buffer=nl.sbuf)
             for tt0, tt in tiles(t_block, TOKEN_TILE):
                 acc = nl.ndarray((hsz, tt), nl.float32, buffer=nl.psum)
                 for j, (_, isz) in enumerate(part):
-                    nisa.nc_matmul(dst=acc, stationary=wd_t[:isz, j, :hsz], moving=self.act_t[:isz, j, tt0:tt0 + tt])
+                    nisa.nc_matmul(dst=acc, stationary=wd_t[:isz, j, :hsz], moving=self.act_t[:isz, j, tt0 : tt0 + tt])
                 if first:
-                    self.evictions.evict(y_t[:, tt0:tt0 + tt], acc)
+                    self.evictions.evict(y_t[:, tt0 : tt0 + tt], acc)
                 else:
                     earlier = nl.ndarray((hsz, tt), nl.float32, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=earlier, src=self.partial[h0:h0 + hsz, tt0:tt0 + tt])
-                    nisa.tensor_tensor(dst=y_t[:, tt0:tt0 + tt], data1=acc, data2=earlier, op=nl.add)
+                    nisa.dma_copy(dst=earlier, src=self.partial[h0 : h0 + hsz, tt0 : tt0 + tt])
+                    nisa.tensor_tensor(dst=y_t[:, tt0 : tt0 + tt], data1=acc, data2=earlier, op=nl.add)
             if last:
                 self._store_rows(y_t, t0, t_block, h0, hsz)
             else:
-                nisa.dma_copy(dst=self.partial[h0:h0 + hsz, :t_block], src=y_t)
+                nisa.dma_copy(dst=self.partial[h0 : h0 + hsz, :t_block], src=y_t)
 
     def _store_rows(self, y_t, t0, t_block, h0, hsz):
         """out[t0 : t0 + t_block, h0 : h0 + hsz] = y_t^T, transposed back on TensorE."""
@@ -286,11 +296,11 @@ class _Forward(nl.NKIObject):
         _transpose_rows_into(rows, y_t, hsz, t_block, self.dtype, self.evictions)
         full = t_block // P
         if full:
-            dst = self.out[t0:t0 + full * P, h0:h0 + hsz].reshape((full, P, hsz)).permute(1, 0, 2)
+            dst = self.out[t0 : t0 + full * P, h0 : h0 + hsz].reshape((full, P, hsz)).permute(1, 0, 2)
             nisa.dma_copy(dst=dst, src=rows[:, :full, :])
         if t_block % P:
             r = t_block % P
-            nisa.dma_copy(dst=self.out[t0 + full * P:t0 + t_block, h0:h0 + hsz], src=rows[:r, full, :])
+            nisa.dma_copy(dst=self.out[t0 + full * P : t0 + t_block, h0 : h0 + hsz], src=rows[:r, full, :])
 
 
 @nki.jit
@@ -327,8 +337,14 @@ def mlp_fwd(x, w_gate, w_up, w_down, activation, save_gate_up):
     """
     up_shape = None if w_up is None else w_up.shape
     dtype = x.dtype
-    check_shapes(x.shape, w_gate.shape, up_shape, w_down.shape, activation,
-                 [dtype, w_gate.dtype, w_down.dtype] + ([] if w_up is None else [w_up.dtype]))
+    check_shapes(
+        x.shape,
+        w_gate.shape,
+        up_shape,
+        w_down.shape,
+        activation,
+        [dtype, w_gate.dtype, w_down.dtype] + ([] if w_up is None else [w_up.dtype]),
+    )
     tokens, hidden = x.shape
     inter = w_down.shape[1]
     if w_up is None:
@@ -337,7 +353,7 @@ def mlp_fwd(x, w_gate, w_up, w_down, activation, save_gate_up):
     saved = nl.ndarray(saved_shape(tokens, inter), dtype, buffer=nl.shared_hbm) if save_gate_up else None
     block, part_tiles = forward_plan(tokens, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
     i_tiles = list(tiles(inter, P))
-    parts = [i_tiles[k:k + part_tiles] for k in range(0, len(i_tiles), part_tiles)]
+    parts = [i_tiles[k : k + part_tiles] for k in range(0, len(i_tiles), part_tiles)]
     partial = nl.ndarray((hidden, block), nl.float32, buffer=nl.hbm) if len(parts) > 1 else None
     evictions = _Evictions()
     x_t = nl.ndarray((P, ceil_div(hidden, P), block), dtype, buffer=nl.sbuf)
@@ -372,7 +388,7 @@ def _zero_saved_padding(saved, tokens, inter, dtype):
         zeros = nl.ndarray((P, 2, step, width - used), dtype, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
         for it0, n in tiles(i_tiles, step):
-            nisa.dma_copy(dst=saved[n_blocks - 1, :, :, it0:it0 + n, used:], src=zeros[:, :, :n, :])
+            nisa.dma_copy(dst=saved[n_blocks - 1, :, :, it0 : it0 + n, used:], src=zeros[:, :, :n, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,14 +453,22 @@ def backward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
     token_tiles = ceil_div(tokens, P)
     nk = min(TOKEN_K_TILES, token_tiles)
     multi = token_tiles > TOKEN_K_TILES
-    dx = _fit_gemm(DX_K_TILES, min(GEMM_ROWS, token_tiles * P), min(DX_COLS, hidden), size,
-                   2 * ceil_div(inter, P) > DX_K_TILES, None, budget)
-    down = _fit_gemm(nk, min(GEMM_ROWS, ceil_div(hidden, P) * P), ib * P, size, multi,
-                     None if multi else "lhs", budget)
+    dx = _fit_gemm(
+        DX_K_TILES,
+        min(GEMM_ROWS, token_tiles * P),
+        min(DX_COLS, hidden),
+        size,
+        2 * ceil_div(inter, P) > DX_K_TILES,
+        None,
+        budget,
+    )
+    down = _fit_gemm(nk, min(GEMM_ROWS, ceil_div(hidden, P) * P), ib * P, size, multi, None if multi else "lhs", budget)
     gate = _fit_gemm(nk, ib * P, min(GEMM_COLS, hidden), size, multi, None if multi else "rhs", budget, "n")
     if _phase1_bytes(hidden, tokens, ib, size) > budget or None in (dx, down, gate):
-        raise ValueError(f"mlp: backward with hidden size {hidden} and intermediate size {inter} "
-                         f"({dtype_name(dtype)}) does not fit the {sbuf_bytes // 1024} KiB of SBUF per partition")
+        raise ValueError(
+            f"mlp: backward with hidden size {hidden} and intermediate size {inter} "
+            f"({dtype_name(dtype)}) does not fit the {sbuf_bytes // 1024} KiB of SBUF per partition"
+        )
     return BackwardPlan(ib, dx[0], dx[1], down[0], gate[1])
 
 
@@ -495,8 +519,9 @@ class _Backward(nl.NKIObject):
         self.token_tile, ib = saved.shape[4], plan.i_block_tiles
         self.dy_t = nl.ndarray((token_tiles, P, h_tiles, self.token_tile), self.dtype, buffer=nl.hbm)
         self.dgu_t = nl.ndarray((token_tiles, P, 2 * i_tiles, self.token_tile), self.dtype, buffer=nl.hbm)
-        self.grad_rows = nl.ndarray((3, ceil_div(i_tiles, ib), P, ceil_div(self.tokens, P), min(self.inter, ib * P)),
-                                    self.dtype, buffer=nl.hbm)
+        self.grad_rows = nl.ndarray(
+            (3, ceil_div(i_tiles, ib), P, ceil_div(self.tokens, P), min(self.inter, ib * P)), self.dtype, buffer=nl.hbm
+        )
 
     def transpose_dy(self):
         """Phase 0: dy_t[b, p, k, t] = dy[b * token_tile + t, k * 128 + p], token tile by token tile."""
@@ -520,7 +545,7 @@ class _Backward(nl.NKIObject):
         token_tile = saved.shape[4]
         i_tiles = list(tiles(inter, P))
         h_tiles = list(tiles(hidden, P))
-        blocks = [i_tiles[k:k + i_block_tiles] for k in range(0, len(i_tiles), i_block_tiles)]
+        blocks = [i_tiles[k : k + i_block_tiles] for k in range(0, len(i_tiles), i_block_tiles)]
         token_tiles = list(tiles(tokens, token_tile))
         steps = [(ib, b) for ib in range(len(blocks)) for b in range(len(token_tiles))]
         width = min(inter, i_block_tiles * P)
@@ -534,15 +559,15 @@ class _Backward(nl.NKIObject):
             c0 = blocks[ib][0][0]
             cols = blocks[ib][-1][0] + blocks[ib][-1][1] - c0
             per = ceil_div(len(h_tiles), parts)
-            for k, (r0, rows) in enumerate(h_tiles[part * per:(part + 1) * per], start=part * per):
-                nisa.dma_copy(dst=w_d[ib % 2][:rows, k, :cols], src=w_down[r0:r0 + rows, c0:c0 + cols])
+            for k, (r0, rows) in enumerate(h_tiles[part * per : (part + 1) * per], start=part * per):
+                nisa.dma_copy(dst=w_d[ib % 2][:rows, k, :cols], src=w_down[r0 : r0 + rows, c0 : c0 + cols])
 
         def load_step(ib, b):
             tsz, it0, nbt = token_tiles[b][1], ib * i_block_tiles, len(blocks[ib])
             dyt = nl.ndarray((P, len(h_tiles), tsz), dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=dyt, src=dy_t[b, :, :, :tsz])
             gate_up = nl.ndarray((P, 2, nbt, tsz), dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=gate_up, src=saved[b, :, :, it0:it0 + nbt, :tsz])
+            nisa.dma_copy(dst=gate_up, src=saved[b, :, :, it0 : it0 + nbt, :tsz])
             return dyt, gate_up
 
         load_block(0)
@@ -565,19 +590,35 @@ class _Backward(nl.NKIObject):
             for j, (_, isz) in enumerate(block):
                 d_act = nl.ndarray((isz, tsz), nl.float32, buffer=nl.psum)
                 for k, (_, hsz) in enumerate(h_tiles):
-                    nisa.nc_matmul(dst=d_act, stationary=w_d[ib % 2][:hsz, k, j * P:j * P + isz], moving=dyt[:hsz, k, :])
+                    nisa.nc_matmul(
+                        dst=d_act, stationary=w_d[ib % 2][:hsz, k, j * P : j * P + isz], moving=dyt[:hsz, k, :]
+                    )
                 while len(pending) >= depth:
                     _run(pending.pop(0))
-                a = _elementwise_grads(d_act, gate_up[:isz, 0, j, :], gate_up[:isz, 1, j, :],
-                                       grads_t[:isz, 0, j, :], grads_t[:isz, 1, j, :], isz, tsz, activation, dtype, columns)
+                a = _elementwise_grads(
+                    d_act,
+                    gate_up[:isz, 0, j, :],
+                    gate_up[:isz, 1, j, :],
+                    grads_t[:isz, 0, j, :],
+                    grads_t[:isz, 1, j, :],
+                    isz,
+                    tsz,
+                    activation,
+                    dtype,
+                    columns,
+                )
                 sources = (a, grads_t[:isz, 0, j, :], grads_t[:isz, 1, j, :])
-                pending.append([(_transpose_rows_into, (rows[:, kind, :, j * P:j * P + isz], src, isz, tsz, dtype, evictions))
-                                for kind, src in enumerate(sources)])
+                pending.append(
+                    [
+                        (_transpose_rows_into, (rows[:, kind, :, j * P : j * P + isz], src, isz, tsz, dtype, evictions))
+                        for kind, src in enumerate(sources)
+                    ]
+                )
             i_total, r0 = len(i_tiles), t0 // P
             pending[-1] += [
-                (nisa.dma_copy, (dgu_t[b, :, it0:it0 + nbt, :tsz], grads_t[:, 0, :, :])),
-                (nisa.dma_copy, (dgu_t[b, :, i_total + it0:i_total + it0 + nbt, :tsz], grads_t[:, 1, :, :])),
-                (nisa.dma_copy, (grad_rows[:, ib, :, r0:r0 + ceil_div(tsz, P), :cols].permute(1, 0, 2, 3), rows)),
+                (nisa.dma_copy, (dgu_t[b, :, it0 : it0 + nbt, :tsz], grads_t[:, 0, :, :])),
+                (nisa.dma_copy, (dgu_t[b, :, i_total + it0 : i_total + it0 + nbt, :tsz], grads_t[:, 1, :, :])),
+                (nisa.dma_copy, (grad_rows[:, ib, :, r0 : r0 + ceil_div(tsz, P), :cols].permute(1, 0, 2, 3), rows)),
             ]
         for group in pending:
             _run(group)
@@ -597,7 +638,7 @@ class _Backward(nl.NKIObject):
             rows = _panel_columns(mb)
             out = nl.ndarray((P, nk, rows), dtype, buffer=nl.sbuf)
             for t0, tsz in tiles(rows, token_tile):
-                nisa.dma_copy(dst=out[:, :, t0:t0 + tsz], src=dgu_t[(m0 + t0) // token_tile, :, k0:k0 + nk, :tsz])
+                nisa.dma_copy(dst=out[:, :, t0 : t0 + tsz], src=dgu_t[(m0 + t0) // token_tile, :, k0 : k0 + nk, :tsz])
             return out
 
         def load_rhs(nb, k0, nk, into):
@@ -605,14 +646,24 @@ class _Backward(nl.NKIObject):
             out = nl.ndarray((P, nk, ncols), dtype, buffer=nl.sbuf)
             for kk in range(nk):
                 weight, r0, ksz = k_src[k0 + kk]
-                nisa.dma_copy(dst=out[:ksz, kk, :], src=weight[r0:r0 + ksz, n0:n0 + ncols])
+                nisa.dma_copy(dst=out[:ksz, kk, :], src=weight[r0 : r0 + ksz, n0 : n0 + ncols])
             return out
 
         def store(rows, nb, tile):
-            nisa.dma_copy(dst=dx[rows.row:rows.row + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
+            nisa.dma_copy(dst=dx[rows.row : rows.row + tile.shape[0], nb[0] : nb[0] + nb[1]], src=tile)
 
-        _gemm_tn(k_tiles, m_blocks, list(tiles(hidden, plan.dx_cols)), load_lhs, load_rhs, store, DX_K_TILES, None,
-                 dtype, evictions)
+        _gemm_tn(
+            k_tiles,
+            m_blocks,
+            list(tiles(hidden, plan.dx_cols)),
+            load_lhs,
+            load_rhs,
+            store,
+            DX_K_TILES,
+            None,
+            dtype,
+            evictions,
+        )
 
     def weight_grads(self, dw_gate, dw_up, dw_down):
         """Phase 3: dWd = dy^T a, dWg = dg^T x, dWu = du^T x, contracting over tokens."""
@@ -635,23 +686,26 @@ class _Backward(nl.NKIObject):
         def load_a(nb, k0, n, into):
             c0, cols = nb
             out = into if into is not None else nl.ndarray((P, n, cols), dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=out[:, :n, :cols], src=grad_rows[0, c0 // ib_cols, :, k0:k0 + n, :cols])
+            nisa.dma_copy(dst=out[:, :n, :cols], src=grad_rows[0, c0 // ib_cols, :, k0 : k0 + n, :cols])
             return out
 
         def store_down(rows, nb, tile):
-            nisa.dma_copy(dst=dw_down[rows.row:rows.row + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
+            nisa.dma_copy(dst=dw_down[rows.row : rows.row + tile.shape[0], nb[0] : nb[0] + nb[1]], src=tile)
 
         _gemm_tn(k_tiles, h_blocks, i_blocks, load_dy, load_a, store_down, nk, "lhs", dtype, evictions)
 
         # dWg, dWu [I, H]: rows are intermediate blocks (dg or du, token-major), columns hidden blocks of x.
         gate_cols = plan.gate_cols
-        g_blocks = [_output_rows(c0, cols, target=target, kind=kind, block=ib)
-                    for kind, target in ((1, dw_gate), (2, dw_up)) for ib, (c0, cols) in enumerate(i_blocks)]
+        g_blocks = [
+            _output_rows(c0, cols, target=target, kind=kind, block=ib)
+            for kind, target in ((1, dw_gate), (2, dw_up))
+            for ib, (c0, cols) in enumerate(i_blocks)
+        ]
 
         def load_grad(mb, k0, n, into):
             cols = _panel_columns(mb)
             out = into if into is not None else nl.ndarray((P, n, cols), dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=out[:, :n, :cols], src=grad_rows[mb[0].kind, mb[0].block, :, k0:k0 + n, :cols])
+            nisa.dma_copy(dst=out[:, :n, :cols], src=grad_rows[mb[0].kind, mb[0].block, :, k0 : k0 + n, :cols])
             return out
 
         def load_x(nb, k0, n, into):
@@ -659,10 +713,20 @@ class _Backward(nl.NKIObject):
             return _load_token_major(x, tokens, nb[0], nb[1], k0, n, into)
 
         def store_gate_up(rows, nb, tile):
-            nisa.dma_copy(dst=rows.target[rows.row:rows.row + tile.shape[0], nb[0]:nb[0] + nb[1]], src=tile)
+            nisa.dma_copy(dst=rows.target[rows.row : rows.row + tile.shape[0], nb[0] : nb[0] + nb[1]], src=tile)
 
-        _gemm_tn(k_tiles, g_blocks, list(tiles(hidden, gate_cols)), load_grad, load_x, store_gate_up, nk, "rhs",
-                 dtype, evictions)
+        _gemm_tn(
+            k_tiles,
+            g_blocks,
+            list(tiles(hidden, gate_cols)),
+            load_grad,
+            load_x,
+            store_gate_up,
+            nk,
+            "rhs",
+            dtype,
+            evictions,
+        )
 
 
 def _run(pending):
@@ -730,8 +794,10 @@ def _gemm_tn(k_tiles, m_blocks, n_blocks, load_lhs, load_rhs, store, k_group, ca
         """The operands not cached, issued one step ahead so their DMAs never wait behind stores."""
         mb, nb, g = step
         k0, nk = groups[g]
-        return (None if cache == "lhs" else load_lhs(mb, k0, nk, None),
-                None if cache == "rhs" else load_rhs(nb, k0, nk, None))
+        return (
+            None if cache == "lhs" else load_lhs(mb, k0, nk, None),
+            None if cache == "rhs" else load_rhs(nb, k0, nk, None),
+        )
 
     cached_for, panel = None, None
     ahead = load_streamed(steps[0])
@@ -758,14 +824,16 @@ def _gemm_tn(k_tiles, m_blocks, n_blocks, load_lhs, load_rhs, store, k_group, ca
                 ps = nl.ndarray((rows, nsz), nl.float32, buffer=nl.psum)
                 for kk in range(nk):
                     ksz = k_tiles[k0 + kk]
-                    nisa.nc_matmul(dst=ps, stationary=lhs[:ksz, kk, col:col + rows], moving=rhs[:ksz, kk, n0:n0 + nsz])
+                    nisa.nc_matmul(
+                        dst=ps, stationary=lhs[:ksz, kk, col : col + rows], moving=rhs[:ksz, kk, n0 : n0 + nsz]
+                    )
                 if single:
-                    evictions.evict(out_tile[:, n0:n0 + nsz], ps)
+                    evictions.evict(out_tile[:, n0 : n0 + nsz], ps)
                 elif g == 0:
-                    evictions.evict(acc[:rows, j, n0:n0 + nsz], ps)
+                    evictions.evict(acc[:rows, j, n0 : n0 + nsz], ps)
                 else:
-                    target = out_tile[:, n0:n0 + nsz] if last else acc[:rows, j, n0:n0 + nsz]
-                    nisa.tensor_tensor(dst=target, data1=ps, data2=acc[:rows, j, n0:n0 + nsz], op=nl.add)
+                    target = out_tile[:, n0 : n0 + nsz] if last else acc[:rows, j, n0 : n0 + nsz]
+                    nisa.tensor_tensor(dst=target, data1=ps, data2=acc[:rows, j, n0 : n0 + nsz], op=nl.add)
             if last:
                 store(part, nb, out_tile)
 
@@ -775,11 +843,11 @@ def _load_token_major(src, tokens, c0, cols, k0, nk, out):
     t0 = k0 * P
     full = max(0, min(nk, (tokens - t0) // P))
     if full:
-        view = src[t0:t0 + full * P, c0:c0 + cols].reshape((full, P, cols)).permute(1, 0, 2)
+        view = src[t0 : t0 + full * P, c0 : c0 + cols].reshape((full, P, cols)).permute(1, 0, 2)
         nisa.dma_copy(dst=out[:, :full, :cols], src=view)
     if full < nk:
         rest = tokens - (t0 + full * P)
-        nisa.dma_copy(dst=out[:rest, full, :cols], src=src[t0 + full * P:tokens, c0:c0 + cols])
+        nisa.dma_copy(dst=out[:rest, full, :cols], src=src[t0 + full * P : tokens, c0 : c0 + cols])
     return out
 
 
@@ -819,8 +887,14 @@ def mlp_bwd(dy, x, w_gate, w_up, w_down, saved, activation):
     """
     up_shape = None if w_up is None else w_up.shape
     dtype = x.dtype
-    check_shapes(x.shape, w_gate.shape, up_shape, w_down.shape, activation,
-                 [dtype, dy.dtype, w_gate.dtype, w_down.dtype] + ([] if w_up is None else [w_up.dtype]))
+    check_shapes(
+        x.shape,
+        w_gate.shape,
+        up_shape,
+        w_down.shape,
+        activation,
+        [dtype, dy.dtype, w_gate.dtype, w_down.dtype] + ([] if w_up is None else [w_up.dtype]),
+    )
     tokens, hidden = x.shape
     inter = w_down.shape[1]
     if tuple(dy.shape) != (tokens, hidden):

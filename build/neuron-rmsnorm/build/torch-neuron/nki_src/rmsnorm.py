@@ -48,9 +48,7 @@ def check_shapes(x_shape, weight_shape, convention):
     if rows < 1:
         raise ValueError(f"rmsnorm: x has no rows (shape {tuple(x_shape)})")
     if not MIN_HIDDEN <= hidden <= MAX_HIDDEN:
-        raise ValueError(
-            f"rmsnorm: hidden size {hidden} is outside the supported range {MIN_HIDDEN}..{MAX_HIDDEN}"
-        )
+        raise ValueError(f"rmsnorm: hidden size {hidden} is outside the supported range {MIN_HIDDEN}..{MAX_HIDDEN}")
     if tuple(weight_shape) != (hidden,):
         raise ValueError(f"rmsnorm: weight shape {tuple(weight_shape)} does not match hidden size {hidden}")
 
@@ -73,13 +71,19 @@ def _constant_column(value):
 def _row_rstd(tile, rows, hidden, eps_column):
     """rstd = rsqrt(mean(x^2) + eps) per row, squaring chunk by chunk into ScalarE's registers."""
     mean_square = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    scale = 1.0 / (hidden ** 0.5)  # square(x * scale) sums to mean(x^2)
+    scale = 1.0 / (hidden**0.5)  # square(x * scale) sums to mean(x^2)
     chunks = list(tiles(hidden, FREE_CHUNK))
     for i, (c0, c) in enumerate(chunks):
         squares = nl.ndarray((rows, c), nl.bfloat16, buffer=nl.sbuf)  # discarded; only the sum is kept
-        nisa.activation(dst=squares, op=nl.square, data=tile[:, c0:c0 + c], scale=scale, reduce_op=nl.add,
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
-                        reduce_res=mean_square if i == len(chunks) - 1 else None)
+        nisa.activation(
+            dst=squares,
+            op=nl.square,
+            data=tile[:, c0 : c0 + c],
+            scale=scale,
+            reduce_op=nl.add,
+            reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
+            reduce_res=mean_square if i == len(chunks) - 1 else None,
+        )
     rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=rstd, op=nl.rsqrt, data=mean_square, bias=eps_column[:rows, :])
     return rstd
@@ -109,19 +113,25 @@ def rmsnorm_fwd(x, weight, eps, convention, out_dtype):
     eps_column = _constant_column(eps)
     for r0, rows in tiles(rows_total, P):
         tile = nl.ndarray((rows, hidden), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=x[r0:r0 + rows, :])
+        nisa.dma_copy(dst=tile, src=x[r0 : r0 + rows, :])
         rstd = _row_rstd(tile, rows, hidden, eps_column)
         for c0, c in tiles(hidden, FREE_CHUNK):
             result = nl.ndarray((rows, c), out_dtype, buffer=nl.sbuf)
             if llama:
                 normed = nl.ndarray((rows, c), x.dtype, buffer=nl.sbuf)  # rounded to x's dtype, as Llama does
-                nisa.tensor_scalar(dst=normed, data=tile[:, c0:c0 + c], op0=nl.multiply, operand0=rstd)
-                nisa.tensor_tensor(dst=result, data1=normed, data2=w[:rows, c0:c0 + c], op=nl.multiply)
+                nisa.tensor_scalar(dst=normed, data=tile[:, c0 : c0 + c], op0=nl.multiply, operand0=rstd)
+                nisa.tensor_tensor(dst=result, data1=normed, data2=w[:rows, c0 : c0 + c], op=nl.multiply)
             else:
-                nisa.scalar_tensor_tensor(dst=result, data=tile[:, c0:c0 + c], op0=nl.multiply, operand0=rstd,
-                                          op1=nl.multiply, operand1=w[:rows, c0:c0 + c])
-            nisa.dma_copy(dst=out[r0:r0 + rows, c0:c0 + c], src=result)
-        nisa.dma_copy(dst=rstd_out[r0:r0 + rows, :], src=rstd)
+                nisa.scalar_tensor_tensor(
+                    dst=result,
+                    data=tile[:, c0 : c0 + c],
+                    op0=nl.multiply,
+                    operand0=rstd,
+                    op1=nl.multiply,
+                    operand1=w[:rows, c0 : c0 + c],
+                )
+            nisa.dma_copy(dst=out[r0 : r0 + rows, c0 : c0 + c], src=result)
+        nisa.dma_copy(dst=rstd_out[r0 : r0 + rows, :], src=rstd)
         del tile  # last use: the next row tile may reuse this SBUF
     return out, rstd_out
 
@@ -171,40 +181,63 @@ def rmsnorm_bwd(dy, x, weight, rstd, convention):
     chunks = list(tiles(hidden, _backward_chunk(hidden, itemsize(x.dtype), itemsize(dy.dtype))))
     for r0, rows in tiles(rows_total, P):
         x_tile = nl.ndarray((rows, hidden), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_tile, src=x[r0:r0 + rows, :])
+        nisa.dma_copy(dst=x_tile, src=x[r0 : r0 + rows, :])
         dy_tile = nl.ndarray((rows, hidden), dy.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=dy_tile, src=dy[r0:r0 + rows, :])
+        nisa.dma_copy(dst=dy_tile, src=dy[r0 : r0 + rows, :])
         r = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=r, src=rstd[r0:r0 + rows, :])
+        nisa.dma_copy(dst=r, src=rstd[r0 : r0 + rows, :])
         dot = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         for i, (c0, c) in enumerate(chunks):
             q = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=q, data1=dy_tile[:, c0:c0 + c], data2=x_tile[:, c0:c0 + c], op=nl.multiply,
-                               engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(
+                dst=q,
+                data1=dy_tile[:, c0 : c0 + c],
+                data2=x_tile[:, c0 : c0 + c],
+                op=nl.multiply,
+                engine=nisa.engine.gpsimd,
+            )
             for b in range(c0 // P, (c0 + c + P - 1) // P):
                 b0, width = blocks[b]
-                nisa.nc_matmul(dst=dweight_t[:width, b:b + 1], stationary=q[:, b0 - c0:b0 - c0 + width], moving=r)
+                nisa.nc_matmul(dst=dweight_t[:width, b : b + 1], stationary=q[:, b0 - c0 : b0 - c0 + width], moving=r)
             qw = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=qw, data1=q, data2=w[:rows, c0:c0 + c], op=nl.multiply, engine=nisa.engine.gpsimd)
-            nisa.activation(dst=qw, op=nl.copy, data=qw, reduce_op=nl.add,
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
-                            reduce_res=dot if i == len(chunks) - 1 else None)
+            nisa.tensor_tensor(dst=qw, data1=q, data2=w[:rows, c0 : c0 + c], op=nl.multiply, engine=nisa.engine.gpsimd)
+            nisa.activation(
+                dst=qw,
+                op=nl.copy,
+                data=qw,
+                reduce_op=nl.add,
+                reduce_cmd=nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce,
+                reduce_res=dot if i == len(chunks) - 1 else None,
+            )
         coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=coef, data1=r, data2=r, op=nl.multiply)
         nisa.tensor_tensor(dst=coef, data1=coef, data2=r, op=nl.multiply)
-        nisa.scalar_tensor_tensor(dst=coef, data=coef, op0=nl.multiply, operand0=-1.0 / hidden, op1=nl.multiply,
-                                  operand1=dot)
+        nisa.scalar_tensor_tensor(
+            dst=coef, data=coef, op0=nl.multiply, operand0=-1.0 / hidden, op1=nl.multiply, operand1=dot
+        )
         for c0, c in chunks:
             scaled = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=scaled, data=dy_tile[:, c0:c0 + c], op0=nl.multiply, operand0=r,
-                                      op1=nl.multiply, operand1=w[:rows, c0:c0 + c])
+            nisa.scalar_tensor_tensor(
+                dst=scaled,
+                data=dy_tile[:, c0 : c0 + c],
+                op0=nl.multiply,
+                operand0=r,
+                op1=nl.multiply,
+                operand1=w[:rows, c0 : c0 + c],
+            )
             # dx overwrites the x row it is computed from, so the whole row leaves in one wide DMA.
-            nisa.scalar_tensor_tensor(dst=x_tile[:, c0:c0 + c], data=x_tile[:, c0:c0 + c], op0=nl.multiply,
-                                      operand0=coef, op1=nl.add, operand1=scaled)
-        nisa.dma_copy(dst=dx[r0:r0 + rows, :], src=x_tile)
+            nisa.scalar_tensor_tensor(
+                dst=x_tile[:, c0 : c0 + c],
+                data=x_tile[:, c0 : c0 + c],
+                op0=nl.multiply,
+                operand0=coef,
+                op1=nl.add,
+                operand1=scaled,
+            )
+        nisa.dma_copy(dst=dx[r0 : r0 + rows, :], src=x_tile)
         del x_tile, dy_tile  # last use: the next tile may reuse this SBUF
     evicted = nl.ndarray((P, len(blocks)), nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=evicted, src=dweight_t)
     for b, (b0, width) in enumerate(blocks):
-        nisa.dma_copy(dst=dweight[b0:b0 + width].reshape((width, 1)), src=evicted[:width, b:b + 1])
+        nisa.dma_copy(dst=dweight[b0 : b0 + width].reshape((width, 1)), src=evicted[:width, b : b + 1])
     return dx, dweight
