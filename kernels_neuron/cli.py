@@ -24,11 +24,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _examples(args: argparse.Namespace) -> int:
     """Simulate the bundled example kernels, check each against NumPy and summarise the traces; or run a
     workflow example (``sft``)."""
-    if args.workflow == "sft":
-        return _example_module("sft").main(["--steps", str(args.steps)] + (["--no-fsdp"] if args.no_fsdp else []))
-    import ml_dtypes
+    if args.workflow is not None:
+        options = ["--steps", str(args.steps)] + (["--no-fsdp"] if args.no_fsdp else [])
+        return _example_module(args.workflow).main(options)
     import numpy as np
-    from numpy.typing import DTypeLike
 
     from kernels_neuron import sim
 
@@ -36,30 +35,13 @@ def _examples(args: argparse.Namespace) -> int:
     from kernels_neuron.sim import examples
 
     console = Console(width=None if sys.stdout.isatty() else 140)
-    rng = np.random.default_rng(0)
-    bf16 = ml_dtypes.bfloat16
-    x = rng.standard_normal((300, 1000)).astype(np.float32)
-    cases: dict[str, tuple[tuple, dict, DTypeLike]] = {
-        "tiled_matmul": (
-            (rng.standard_normal((384, 256)).astype(bf16), rng.standard_normal((384, 1024)).astype(bf16)),
-            {},
-            bf16,
-        ),
-        "transpose_2d": ((rng.standard_normal((300, 260)).astype(bf16),), {}, bf16),
-        "row_softmax": ((x,), {}, np.float32),
-        "layernorm": (
-            (
-                x,
-                rng.standard_normal((1, 1000)).astype(np.float32),
-                rng.standard_normal((1, 1000)).astype(np.float32),
-                1e-5,
-            ),
-            {},
-            np.float32,
-        ),
-        "spmd_scaled_add": ((x, x[::-1].copy(), 0.5), {"grid": 3}, np.float32),
-    }
-    chosen = [args.example] if args.example else list(cases)
+    if args.example is not None and args.example not in examples.EXAMPLES:
+        console.print(
+            f"[red]kernels-neuron examples: no example kernel {args.example!r}[/]; "
+            f"the examples are {', '.join(examples.EXAMPLES)}"
+        )
+        return 2
+    chosen = [args.example] if args.example else list(examples.EXAMPLES)
     console.print(f"nki backend: [bold]{backend}[/] · target: [bold]{args.target}[/]")
     table = Table(title="bundled NKI example kernels on the CPU simulator")
     for column in (
@@ -76,14 +58,14 @@ def _examples(args: argparse.Namespace) -> int:
     traces = {}
     failed = False
     for name in chosen:
-        kernel, reference = examples.EXAMPLES[name]
-        inputs, launch, dtype = cases[name]
-        result = sim.run(kernel, *inputs, target=args.target, **launch)
-        expected = reference(*inputs)
+        example = examples.EXAMPLES[name]
+        inputs = example.make_inputs(np.random.default_rng(0))  # the same inputs alone or with the others
+        result = sim.run(example.kernel, *inputs, target=args.target, grid=example.grid)
+        expected = example.reference(*inputs)
         error = float(np.max(np.abs(result.outputs.astype(np.float32) - expected.astype(np.float32))))
         # Tolerance: one rounding of the output dtype, relative to the result's magnitude.
         scale = float(np.max(np.abs(expected.astype(np.float32)))) or 1.0
-        tolerance = (2**-7 if dtype == bf16 else 1e-5) * scale
+        tolerance = (2**-7 if inputs[0].dtype.itemsize == 2 else 1e-5) * scale
         ok = error <= tolerance
         failed |= not ok
         shapes = ", ".join("x".join(map(str, a.shape)) for a in inputs if hasattr(a, "shape"))
@@ -240,11 +222,21 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workflow_examples() -> list[str]:
+    """The scripts in ``examples/`` (the checkout's, or the copy an installed wheel carries)."""
+    from kernels_neuron.paths import EXAMPLES_DIR
+
+    return sorted(path.stem for path in EXAMPLES_DIR.glob("*.py"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    from kernels_neuron.cost.hardware import HARDWARE
+
+    targets = list(HARDWARE)  # the targets the cost model has a table for (the simulator knows each)
     parser = argparse.ArgumentParser(prog="kernels-neuron", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="kernelize a tiny Qwen3 for neuron and run it on the simulator")
-    demo.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
+    demo.add_argument("--target", default="trn2", choices=targets)
     demo.set_defaults(run=_demo)
     examples = commands.add_parser(
         "examples",
@@ -254,22 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     examples.add_argument(
         "workflow",
         nargs="?",
-        choices=["sft"],
+        choices=_workflow_examples(),
         help="sft: SFTTrainer on a kernelized tiny Qwen3, in one process and with FSDP2 on 2 gloo "
         "ranks, then save, reload, kernelize and generate (needs the examples extra)",
     )
     examples.add_argument("--steps", type=int, default=4, help="sft: training steps per run")
     examples.add_argument("--no-fsdp", action="store_true", help="sft: skip the FSDP2 runs")
-    examples.add_argument(
-        "--example",
-        choices=["tiled_matmul", "transpose_2d", "row_softmax", "layernorm", "spmd_scaled_add"],
-        help="run only this example kernel",
-    )
-    examples.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
+    examples.add_argument("--example", help="run only this example kernel (kernels_neuron.sim.examples.EXAMPLES)")
+    examples.add_argument("--target", default="trn2", choices=targets)
     examples.set_defaults(run=_examples)
     bench_cmd = commands.add_parser("bench", help="run the microbenchmark suite (modelled Trainium times)")
     bench_cmd.add_argument("--filter", help="only cases whose name contains this text")
-    bench_cmd.add_argument("--target", default="trn2", choices=["trn1", "trn2", "trn3"])
+    bench_cmd.add_argument("--target", default="trn2", choices=targets)
     bench_cmd.add_argument("--json", help="write one JSON record per case to this path")
     bench_cmd.add_argument("--plot", help="write a roofline plot (PNG) to this path")
     bench_cmd.set_defaults(run=_bench)

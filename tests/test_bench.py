@@ -88,3 +88,31 @@ def test_cli_unknown_filter_is_a_clear_error(capsys):
 
 def test_no_device_here():
     assert bench.device_available() is False
+
+
+def test_compare_script_reports_every_changed_modelled_figure_and_ignores_wall_time(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    from kernels_neuron import paths
+
+    script = paths.PACKAGE_DIR.parent / "benchmarks" / "compare.py"
+    spec = importlib.util.spec_from_file_location("bench_compare", script)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    before = {"a": {"name": "a", "modelled_us": 1.0, "sim_wall_s": 3.0}, "b": {"name": "b", "modelled_us": 2.0}}
+    after = {"a": {"name": "a", "modelled_us": 1.5, "sim_wall_s": 9.0}, "c": {"name": "c", "modelled_us": 2.0}}
+    assert compare.differences(before, after) == [
+        "b: only in the first file",
+        "c: only in the second file",
+        "a: modelled_us 1.0 -> 1.5",
+    ]
+    assert compare.differences(before, {"a": {**before["a"], "sim_wall_s": 7.0}, "b": before["b"]}) == []
+    first, second = tmp_path / "1.json", tmp_path / "2.json"
+    first.write_text(json.dumps({"records": list(before.values())}))
+    second.write_text(json.dumps({"records": list(before.values())}))
+    same = subprocess.run([sys.executable, str(script), str(first), str(second)], capture_output=True, text=True)
+    assert same.returncode == 0 and "identical: 2 cases" in same.stdout
+    second.write_text(json.dumps({"records": list(after.values())}))
+    assert subprocess.run([sys.executable, str(script), str(first), str(second)], capture_output=True).returncode == 1

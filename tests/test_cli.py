@@ -17,6 +17,25 @@ def test_examples_single_example_on_trn1(capsys):
     assert "trace on trn1" in capsys.readouterr().out
 
 
+def test_an_unknown_example_is_refused_naming_the_real_ones(capsys):
+    assert main(["examples", "--example", "row_sofmax"]) == 2
+    out = capsys.readouterr().out
+    assert "no example kernel 'row_sofmax'" in out and "row_softmax" in out and "PASS" not in out
+
+
+def test_choices_come_from_the_real_tables():
+    import pytest
+
+    from kernels_neuron.cost.hardware import HARDWARE
+    from kernels_neuron.paths import EXAMPLES_DIR
+
+    assert (EXAMPLES_DIR / "sft.py").is_file() and set(HARDWARE) == {"trn1", "trn2", "trn3"}
+    with pytest.raises(SystemExit):  # argparse: not a target the cost model has
+        main(["bench", "--target", "trn9"])
+    with pytest.raises(SystemExit):  # not a script in examples/
+        main(["examples", "nope"])
+
+
 def test_demo_kernelizes_qwen3_and_matches(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out

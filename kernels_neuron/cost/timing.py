@@ -1,6 +1,6 @@
 """How long one instruction keeps its engine busy, from AWS's published per-instruction costs.
 
-Engine cycles follow the NC-v2 estimates AWS published (NKI-NOTES), with N the free elements
+Engine cycles follow the NC-v2 estimates AWS published (docs/hardware.md), with N the free elements
 per partition and a fixed minimum of ~64 cycles:
 
 - matmul: max(min(64, M), N) cycles (M stationary columns, N moving columns), x4 for fp32, /2 for

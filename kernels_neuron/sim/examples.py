@@ -10,7 +10,9 @@ Import this module after :func:`kernels_neuron.sim.install` (it imports ``nki``)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
+import ml_dtypes
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -195,10 +197,39 @@ def spmd_scaled_add_reference(a: np.ndarray, b: np.ndarray, alpha: float) -> np.
     return (a.astype(np.float32) + np.float32(alpha) * b.astype(np.float32)).astype(a.dtype)
 
 
-EXAMPLES: dict[str, tuple[Callable, Callable]] = {
-    "tiled_matmul": (tiled_matmul, tiled_matmul_reference),
-    "transpose_2d": (transpose_2d, transpose_2d_reference),
-    "row_softmax": (row_softmax, row_softmax_reference),
-    "layernorm": (layernorm, layernorm_reference),
-    "spmd_scaled_add": (spmd_scaled_add, spmd_scaled_add_reference),
+class Example(NamedTuple):
+    """An example kernel, its NumPy reference, demo inputs (shapes that leave ragged tiles) drawn from
+    a generator, and the SPMD grid it launches on (None: one program)."""
+
+    kernel: Callable
+    reference: Callable
+    make_inputs: Callable[[np.random.Generator], tuple]
+    grid: int | None = None
+
+
+def _bf16(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+
+
+def _fp32(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+EXAMPLES: dict[str, Example] = {
+    "tiled_matmul": Example(
+        tiled_matmul, tiled_matmul_reference, lambda rng: (_bf16(rng, 384, 256), _bf16(rng, 384, 1024))
+    ),
+    "transpose_2d": Example(transpose_2d, transpose_2d_reference, lambda rng: (_bf16(rng, 300, 260),)),
+    "row_softmax": Example(row_softmax, row_softmax_reference, lambda rng: (_fp32(rng, 300, 1000),)),
+    "layernorm": Example(
+        layernorm,
+        layernorm_reference,
+        lambda rng: (_fp32(rng, 300, 1000), _fp32(rng, 1, 1000), _fp32(rng, 1, 1000), 1e-5),
+    ),
+    "spmd_scaled_add": Example(
+        spmd_scaled_add,
+        spmd_scaled_add_reference,
+        lambda rng: (_fp32(rng, 300, 1000), _fp32(rng, 300, 1000), 0.5),
+        grid=3,
+    ),
 }

@@ -1,7 +1,7 @@
 """The NeuronCore generations the simulator can check a kernel against.
 
-Limits are the ones AWS documents for NKI (see ``shared/NKI-NOTES.md`` and the ``nki.isa``
-API reference). The cost model keeps its own table of speeds; this one holds only what decides
+Limits are the ones AWS documents for NKI (see ``docs/hardware.md`` for each with its source, and the
+``nki.isa`` API reference). The cost model keeps its own table of speeds; this one holds only what decides
 whether a kernel is legal.
 """
 

@@ -30,6 +30,7 @@ REPO_WORKLOADS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("repo", sorted(REPO_WORKLOADS))
 def test_kernels_benchmark_runs_and_verifies_offline(repo, tmp_path):
     reg = registry_module.load()

@@ -102,6 +102,7 @@ def _assert_installed(cache: Path) -> None:
 # --- (a) LOCAL_KERNELS ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_get_kernel_through_local_kernels(tmp_path):
     result = _load(_env(tmp_path, LOCAL_KERNELS=_local_kernels("neuron-rmsnorm", "nki-sim")), tmp_path)
     _assert_loaded_and_correct(result, build.BUILD_DIR / "neuron-rmsnorm" / "build" / "torch-cpu")
@@ -110,6 +111,7 @@ def test_get_kernel_through_local_kernels(tmp_path):
 # --- (b) install, then the kernels library's ordinary offline Hub path -----------------------------------
 
 
+@pytest.mark.slow
 def test_install_then_get_kernel_offline_from_the_hf_cache(tmp_path):
     cache = tmp_path / "cache"
     done = _run(
@@ -124,6 +126,7 @@ def test_install_then_get_kernel_offline_from_the_hf_cache(tmp_path):
     _assert_loaded_and_correct(result, snapshot / "build" / "torch-cpu")
 
 
+@pytest.mark.slow
 def test_install_defaults_to_the_cache_the_kernels_library_reads(tmp_path):
     """With KERNELS_CACHE set the kernels library reads only that cache, so install must write there."""
     cache = tmp_path / "kernels-cache"
@@ -253,6 +256,7 @@ LOAD_AND_RUN_FLASH_ATTN = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["local_kernels", "installed"])
 def test_flash_attn_repo_loads_offline_and_runs(route, tmp_path):
     if route == "local_kernels":
@@ -275,6 +279,7 @@ def test_flash_attn_repo_loads_offline_and_runs(route, tmp_path):
     assert result["checkout_imported"] is False
 
 
+@pytest.mark.slow
 def test_sim_capture_sees_launches_of_kernels_loaded_before_kernels_neuron():
     """A Hub kernel loaded first brings its own copy of the simulator (nki-sim) as ``nki``;
     kernels_neuron.sim.capture(), imported afterwards, still sees its launches."""

@@ -56,6 +56,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["local_kernels", "installed"])
 def test_mlp_repo_loads_offline_and_runs(route, tmp_path):
     if route == "local_kernels":

@@ -33,7 +33,7 @@ from kernels_neuron import sim
 
 def _kernelize(model, **kwargs):
     # attention=False, mlp=False: these tests check the norm layers' contract in isolation; attention has
-    # tests/models/test_attention_models.py, the MLP tests/models/test_kernelize_mlp.py.
+    # tests/models/test_kernelize_attention.py, the MLP tests/models/test_kernelize_mlp.py.
     return kernels_neuron.kernelize(model, device="neuron", attention=False, mlp=False, **kwargs)
 
 
@@ -205,6 +205,7 @@ _USE_KERNELS_IN_A_FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_use_kernels_true_maps_each_class_like_kernelize(tmp_path):
     """In a fresh process (hooks and mappings are process-wide): through ``use_kernels=True``, OLMo2
     (tagged "RMSNorm" by transformers, but fp32-multiply numerics) gets RMSNormFP32Multiply, Gemma

@@ -31,7 +31,7 @@ from kernels_neuron import sim
 # fixed these cases XPASS and fail, so the marker must then be removed.
 def _kernelize(model, **kwargs):
     # attention=False, mlp=False: these tests check norm numerics in isolation; attention has
-    # tests/models/test_attention_models.py, the MLP tests/models/test_kernelize_mlp.py.
+    # tests/models/test_kernelize_attention.py, the MLP tests/models/test_kernelize_mlp.py.
     return kernels_neuron.kernelize(model, device="neuron", attention=False, mlp=False, **kwargs)
 
 

@@ -165,6 +165,22 @@ def test_on_chip_indexing_rule_examples():
     )
 
 
+def test_an_int_index_on_a_one_d_on_chip_view_is_its_partition():
+    """A 1-D on-chip view has no free dim to keep: ``v[3]`` is partition 3, one element (this once
+    raised a TypeError from inside the indexing rule)."""
+
+    def kernel(x):
+        column = nl.ndarray((8, 1), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=column, src=x)
+        row = column.reshape((8,))[3]
+        out = nl.ndarray(row.shape, row.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=row)
+        return out
+
+    out = sim.run(kernel, arange((8, 1))).outputs
+    assert out.shape == (1,) and out[0] == 3.0
+
+
 def test_integer_index_on_hbm_is_a_live_zero_d_view():
     x = arange((3, 4))
 

@@ -337,6 +337,7 @@ _COMPATIBLE_FLASH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_model_with_its_own_flash_kernels_replaces_the_hub_name(tmp_path):
     """The pitfall of the mandated name: a model that lists ``_compatible_flash_implementations``
     (GPT-OSS, ...) swaps any other "…flash…" string for its own kernel (offline: a load error naming that
