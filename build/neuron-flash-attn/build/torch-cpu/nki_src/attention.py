@@ -224,13 +224,15 @@ def flash_attn_fwd(q, k, v, bias, scale, causal, window, softcap, segments):
             # A software pipeline over (query tile, key step) items: at each tick every stage
             # works on a different item, LEAD items apart, so each engine's queue always holds
             # work whose inputs another engine finished a tick earlier (DMA transposes get more).
-            for n in range(-_FWD_STAGES[0][1], len(items)):
+            for n in range(-_FWD_LEAD, len(items)):
                 for stage, lead in _FWD_STAGES:
                     if 0 <= n + lead < len(items):
                         tile, step = items[n + lead]
                         getattr(tile, stage)(step)
-                if n >= 0 and items[n][1] == items[n][0].steps - 1:
-                    items[n][0].finish(out, lse_out)
+                if n >= 0:
+                    tile, step = items[n]
+                    if step == tile.steps - 1:  # the tile's last key step is through every stage
+                        tile.finish(out, lse_out)
             del keys, query_tiles, items
     return out, lse_out
 
@@ -246,6 +248,7 @@ _FWD_STAGES = (
     ("multiply_values", 1),
     ("rescale", 0),
 )
+_FWD_LEAD = max(lead for _, lead in _FWD_STAGES)  # ticks before the last stage reaches the first item
 
 
 def _pipeline_order(query_tiles):
