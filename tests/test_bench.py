@@ -34,7 +34,15 @@ def decode_record():
 def test_suite_cases_name_real_models_and_reference_ops():
     assert len({c.name for c in CASES}) == len(CASES)
     for case in CASES:
-        assert case.model in {"Llama-3-8B", "Qwen3-8B", "Mistral-7B", "Gemma-2-9B"}
+        assert case.model in {
+            "Llama-3-8B",
+            "Qwen3-8B",
+            "Mistral-7B",
+            "Gemma-2-9B",
+            "GPT-J-6B",
+            "Starcoder2-7B",
+            "Command-R",
+        }
         assert case.reference_name and callable(case.prepare_reference)
 
 

@@ -25,10 +25,12 @@ from kernels_neuron import sim
 sim.install()  # the kernels import ``nki``: real NKI on a Trainium host, else the simulator
 from kernels_neuron.sim.examples import tiled_matmul  # noqa: E402
 from nki_src.attention import flash_attn_bwd, flash_attn_fwd  # noqa: E402
+from nki_src.layernorm import layernorm_bwd, layernorm_fwd  # noqa: E402
 from nki_src.mlp import mlp_bwd, mlp_fwd, saved_shape  # noqa: E402
 from nki_src.rmsnorm import rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
 
 from ..ops.attention import attention_reference  # noqa: E402
+from ..ops.layernorm import layer_norm_reference  # noqa: E402
 from ..ops.mlp import gated_mlp_reference  # noqa: E402
 from ..ops.rmsnorm import rms_norm_reference  # noqa: E402
 from .calibration import basic_tiled, blocked_free, fully_optimized, operands  # noqa: E402
@@ -111,6 +113,59 @@ def rmsnorm_case(name: str, model: str, rows: int, hidden: int, convention: str,
         kwargs={"convention": convention}
         if backward
         else {"eps": RMSNORM_EPS, "convention": convention, "out_dtype": "bfloat16"},
+    )
+
+
+LAYERNORM_EPS = 1e-5
+
+
+def _layernorm_inputs(rows: int, hidden: int, bias: bool, backward: bool, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, hidden)).astype(ml_dtypes.bfloat16)
+    weight = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(ml_dtypes.bfloat16)
+    b = (0.1 * rng.standard_normal(hidden)).astype(ml_dtypes.bfloat16) if bias else None
+    if not backward:
+        return x, weight, b, LAYERNORM_EPS
+    x32 = x.astype(np.float32)
+    mean = x32.mean(axis=1, keepdims=True)
+    rstd = (1.0 / np.sqrt(x32.var(axis=1, keepdims=True) + LAYERNORM_EPS)).astype(np.float32)
+    return rng.standard_normal((rows, hidden)).astype(ml_dtypes.bfloat16), x, weight, mean.astype(np.float32), rstd
+
+
+def _layernorm_forward(x, weight, bias, eps):
+    """torch.nn.LayerNorm's forward (``layer_norm_reference``)."""
+    return partial(layer_norm_reference, x, weight, bias, eps)
+
+
+def _layernorm_backward(bias: bool):
+    """Autograd through the module's forward against dy: (dx, dweight[, dbias]), the kernel's leading
+    outputs. ``mean`` and ``rstd`` are the kernel's saved statistics, which autograd keeps in its graph."""
+
+    def prepare(dy, x, weight, mean, rstd):
+        leaves = (x, weight, torch.zeros_like(weight)) if bias else (x, weight)
+
+        def forward(x, weight, bias=None):
+            return layer_norm_reference(x, weight, bias, LAYERNORM_EPS)
+
+        return autograd_backward(forward, dy, leaves)
+
+    return prepare
+
+
+_LAYERNORM_BACKWARDS = {bias: _layernorm_backward(bias) for bias in (False, True)}
+
+
+def layernorm_case(name: str, model: str, rows: int, hidden: int, bias: bool = True, backward: bool = False) -> Case:
+    module = "LayerNorm" if bias else "CohereLayerNorm"
+    return Case(
+        name=name,
+        kernel=layernorm_bwd if backward else layernorm_fwd,
+        make_inputs=partial(_layernorm_inputs, rows, hidden, bias, backward),
+        shape={"rows": rows, "hidden": hidden, **({} if bias else {"bias": "none"})},
+        dtype="bfloat16",
+        model=model,
+        reference_name=f"{module} {'backward (autograd)' if backward else 'forward'} (torch)",
+        prepare_reference=_LAYERNORM_BACKWARDS[bias] if backward else _layernorm_forward,
     )
 
 
@@ -314,6 +369,11 @@ CASES: list[Case] = [
     rmsnorm_case("rmsnorm-bwd/gemma2-9b/4096-tokens", "Gemma-2-9B", 4096, 3584, "gemma", backward=True),
     rmsnorm_case("rmsnorm-fwd/qwen3-8b-q_norm/2048-tokens", "Qwen3-8B", 2048 * 32, 128, "llama"),
     rmsnorm_case("rmsnorm-fwd/mistral-7b/decode-8", "Mistral-7B", 8, 4096, "llama"),
+    layernorm_case("layernorm-fwd/gpt-j-6b/4096-tokens", "GPT-J-6B", 4096, 4096),
+    layernorm_case("layernorm-bwd/gpt-j-6b/4096-tokens", "GPT-J-6B", 4096, 4096, backward=True),
+    layernorm_case("layernorm-fwd/starcoder2-7b/4096-tokens", "Starcoder2-7B", 4096, 4608),
+    layernorm_case("layernorm-fwd/command-r/4096-tokens", "Command-R", 4096, 8192, bias=False),
+    layernorm_case("layernorm-bwd/command-r/4096-tokens", "Command-R", 4096, 8192, bias=False, backward=True),
     projection_case(
         "matmul-optimised/llama3-8b-q_proj/prefill", fully_optimized, "Llama-3-8B", PREFILL_TOKENS, 4096, 4096
     ),

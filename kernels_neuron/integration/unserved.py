@@ -12,7 +12,7 @@ from .report import ReportRow
 # Kinds of module the hub has no kernel for yet, by class name, so that the report can say so
 # rather than leave them out: (what the name ends with, the kind, why).
 _UNSERVED_KINDS = (
-    ("LayerNorm", "LayerNorm", "no LayerNorm kernel in the hub yet"),
+    ("LayerNorm", "LayerNorm", "the hub's LayerNorm kernel serves torch.nn.LayerNorm and CohereLayerNorm only"),
     ("Experts", "MoE experts", "no MoE-experts kernel in the hub yet"),
     ("MLP", "MLP", "not a gated MLP down(act(gate(x)) * up(x)), the only MLP the hub has a kernel for"),
 )

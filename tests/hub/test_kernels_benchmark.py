@@ -17,6 +17,7 @@ KERNELS_CLI = "import sys; from kernels.cli import main; sys.argv[0] = 'kernels'
 
 REPO_WORKLOADS = {
     "neuron-rmsnorm": {"RMSNormBenchmark.llama", "RMSNormBenchmark.gemma"},
+    "neuron-layernorm": {"LayerNormBenchmark.affine", "LayerNormBenchmark.weight_only"},
     "neuron-flash-attn": {
         "FlashAttnBenchmark.causal_prefill",
         "FlashAttnBenchmark.sliding_window",

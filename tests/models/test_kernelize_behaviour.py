@@ -26,6 +26,7 @@ from tiny_models import (
     logits,
     norm_modules,
 )
+from torch import nn
 
 import kernels_neuron
 from kernels_neuron import sim
@@ -271,8 +272,8 @@ def test_an_unknown_device_is_a_clear_error(device):
 
 
 def test_modules_of_kinds_the_hub_has_no_kernel_for_are_reported():
-    """Falcon (new decoder): LayerNorms, a non-gated MLP and an attention module kernelize cannot route; the
-    report lists each with why, rather than an empty "0 swapped, 0 kept"."""
+    """Falcon (new decoder): its LayerNorms are swapped; a non-gated MLP and an attention module kernelize
+    cannot route have no kernel, and the report lists each with why."""
     config = transformers.FalconConfig(
         hidden_size=128,
         num_hidden_layers=1,
@@ -283,15 +284,28 @@ def test_modules_of_kinds_the_hub_has_no_kernel_for_are_reported():
     )
     model = kernels_neuron.kernelize(transformers.FalconForCausalLM(config).eval(), device="neuron")
     report = model.kernels_neuron_report
-    assert report.swapped == [] and report.fallbacks == []
+    assert {row.layer for row in report.swapped} == {"LayerNorm"} and report.fallbacks == []
     kinds = {row.path: (row.layer, row.reason) for row in report.no_kernel}
     assert kinds["transformer.h.0.mlp"] == (
         "MLP",
         "FalconMLP: not a gated MLP down(act(gate(x)) * up(x)), the only MLP the hub has a kernel for",
     )
-    assert kinds["transformer.h.0.ln_attn"][0] == kinds["transformer.ln_f"][0] == "LayerNorm"
     assert kinds["transformer.h.0.self_attention"][0] == "attention"
-    assert "0 swapped, 0 kept their own forward, 5 with no kernel" in str(report)
+    assert "3 swapped, 0 kept their own forward, 2 with no kernel" in str(report)
+
+
+def test_a_layer_norm_class_the_hub_has_no_kernel_for_is_reported():
+    class T5StyleLayerNorm(nn.Module):  # a model's own LayerNorm class, not torch's
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(64))
+
+        def forward(self, x):
+            return x * self.weight
+
+    report = kernels_neuron.kernelize(nn.Sequential(T5StyleLayerNorm()), device="neuron").kernels_neuron_report
+    (row,) = report.no_kernel
+    assert row.layer == "LayerNorm" and "serves torch.nn.LayerNorm and CohereLayerNorm only" in row.reason
 
 
 def test_moe_experts_are_reported_as_having_no_kernel():

@@ -1438,8 +1438,9 @@ def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
     out = []
     for half in (rows[:, 0::2], rows[:, 1::2]):
         count = np.float32(half.shape[1])
-        mean = half.mean(axis=1, dtype=np.float32) if half.shape[1] else np.zeros(rows.shape[0], np.float32)
-        m2 = ((half - mean[:, None]) ** 2).sum(axis=1, dtype=np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN propagate, as on the engine
+            mean = half.mean(axis=1, dtype=np.float32) if half.shape[1] else np.zeros(rows.shape[0], np.float32)
+            m2 = ((half - mean[:, None]) ** 2).sum(axis=1, dtype=np.float32)
         out += [np.full(rows.shape[0], count, np.float32), mean, m2]
     dst.write(np.stack(out, axis=1).reshape(dst.shape), instr)
     runtime.current().record("vector", "bn_stats", reads=[("data", data)], writes=[("dst", dst)])

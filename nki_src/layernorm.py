@@ -1,0 +1,443 @@
+"""LayerNorm forward and backward for Trainium, in NKI.
+
+``y = (x - mean) * rstd * weight + bias`` over the last dim, with ``rstd = 1 / sqrt(var + eps)`` and
+the population variance, all in fp32 and rounded once to x's dtype: what ``torch.nn.LayerNorm`` (and
+Cohere's LayerNorm, which has no bias) computes. The weight and the bias are optional
+(``elementwise_affine=False``, ``bias=False``). The forward returns the per-row mean and rstd for the
+backward.
+
+Dimensions
+    N: rows (tokens), any count; a ragged last tile of fewer than 128 rows is handled.
+    H: hidden size, 1..max_hidden(dtype), any value.
+
+Tiling plan
+    Rows go 128 to a tile, one row per partition; a tile's rows stay in SBUF while the free dim is
+    processed in chunks of at most FREE_CHUNK elements. The weight and bias are broadcast to all 128
+    partitions once per kernel.
+
+Engine plan (forward), per row tile
+    VectorE: ``bn_stats`` over 512-element pieces and one ``bn_aggr`` give each row's mean and
+    variance (combined the way Welford's algorithm combines partial results: exact where
+    E[x^2] - mean^2 would cancel).
+    ScalarE: n = x * rstd - mean * rstd in fp32, one pass (with neither weight nor bias, straight
+    into x's dtype). Fused this way, n's absolute error is about 2^-24 |mean| / std where torch's
+    (x - mean) * rstd has 2^-24: below bf16's resolution until |mean| / std nears 10^5, visible in fp32
+    beyond |mean| / std of about 10^2 (tests/ops/test_layernorm.py measures it).
+    GpSimd: n * weight, then + bias, rounded to x's dtype. With both a weight and a bias, that is two
+    GpSimd passes against one on each other engine, so for CENTRED_SHARE of the columns VectorE forms
+    (x - mean) * weight instead (``scalar_tensor_tensor``'s subtract-then-multiply form, one cycle per
+    element for bf16 x and weight in AWS's table), ScalarE scales it by rstd and GpSimd only adds the
+    bias. Every engine's work on a tile depends only on work issued before it, so the tiles pipeline
+    in program order.
+"""
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from ._common import P, itemsize, tiles
+
+FREE_CHUNK = 2048
+SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and constants
+# With a weight and a bias, this fraction of each chunk's columns goes VectorE's way (see _RowTile):
+# per element, VectorE's statistics cost 1 cycle at 0.96 GHz and the centring 1 more, GpSimd's two
+# passes 1 cycle each at 1.2 GHz, so moving f of the columns balances 1 + f against (2 - f) * 0.8:
+# f = 0.31 on Trn2's clocks (AWS's documented per-instruction costs, docs/hardware.md).
+CENTRED_SHARE = (5, 16)
+# In the backward, the columns whose dx VectorE forms alone (see _GradientRows.finish): pass 1 leaves
+# ScalarE two passes and GpSimd two, VectorE one at 0.96 GHz; dx costs ScalarE + GpSimd one pass each,
+# or VectorE three cycles per element (a multiply-add and a two-cycle fp32 add), so 3/8 of the columns
+# on VectorE balances the three engines (Trn2 clocks, AWS's documented costs: docs/hardware.md).
+DX_ON_VECTOR = (3, 8)
+GROUP = 2  # chunks whose pass-1 temporaries are alive at once in the backward (bounds its SBUF use)
+MIN_HIDDEN = 1
+MAX_HIDDEN = 16384  # 2-byte inputs; 4-byte ones stop at MAX_HIDDEN_FP32 (see max_hidden)
+MAX_HIDDEN_FP32 = 8192
+
+
+def max_hidden(dtype):
+    """The largest hidden size whose resident rows fit SBUF beside the weight, bias and temporaries."""
+    return MAX_HIDDEN_FP32 if itemsize(dtype) == 4 else MAX_HIDDEN
+
+
+def check_shapes(x_shape, x_dtype, weight_shape, bias_shape):
+    """Raise ValueError naming the op, the shape and the limit when the kernel cannot take them."""
+    if len(x_shape) != 2:
+        raise ValueError(f"layernorm: x must be 2-D [rows, hidden], got shape {tuple(x_shape)}")
+    rows, hidden = x_shape
+    if rows < 1:
+        raise ValueError(f"layernorm: x has no rows (shape {tuple(x_shape)})")
+    limit = max_hidden(x_dtype)
+    if not MIN_HIDDEN <= hidden <= limit:
+        raise ValueError(f"layernorm: hidden size {hidden} is outside the supported range {MIN_HIDDEN}..{limit}")
+    for name, shape in (("weight", weight_shape), ("bias", bias_shape)):
+        if shape is not None and tuple(shape) != (hidden,):
+            raise ValueError(f"layernorm: {name} shape {tuple(shape)} does not match hidden size {hidden}")
+
+
+def _broadcast(vector, hidden):
+    """A [H] vector on every partition, in its own dtype."""
+    spread = nl.ndarray((P, hidden), vector.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=spread, src=vector.reshape((1, hidden)).broadcast_to((P, hidden)))
+    return spread
+
+
+def _constant_column(value):
+    column = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=column, value=value)
+    return column
+
+
+def _row_sum(partials, rows):
+    """The per-row sum of one column per chunk."""
+    total = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=total, op=nl.add, data=partials, axis=1)
+    return total
+
+
+def _statistics(tile, rows, hidden, eps_column):
+    """(rstd, -mean * rstd) per row, from VectorE's bn_stats/bn_aggr."""
+    pieces = list(tiles(hidden, nl.tile_size.bn_stats_fmax))
+    stats = nl.ndarray((rows, 6 * len(pieces)), nl.float32, buffer=nl.sbuf)
+    for i, (c0, c) in enumerate(pieces):
+        nisa.bn_stats(dst=stats[:, 6 * i : 6 * i + 6], data=tile[:, c0 : c0 + c])
+    moments = nl.ndarray((rows, 2), nl.float32, buffer=nl.sbuf)  # mean, variance
+    nisa.bn_aggr(dst=moments, data=stats)
+    rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=rstd, op=nl.rsqrt, data=moments[:, 1:2], bias=eps_column[:rows, :])
+    shift = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(
+        dst=shift, data=moments[:, 0:1], op0=nl.multiply, operand0=-1.0, op1=nl.multiply, operand1=rstd
+    )
+    return moments[:, 0:1], rstd, shift
+
+
+class _RowTile(nl.NKIObject):
+    """Up to 128 rows of x resident in SBUF (one per partition) and their statistics."""
+
+    def __init__(self, x, r0, rows, eps_column):
+        self.r0, self.rows = r0, rows
+        self.tile = nl.ndarray((rows, x.shape[1]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.tile, src=x[r0 : r0 + rows, :])
+        self.mean, self.rstd, self.shift = _statistics(self.tile, rows, x.shape[1], eps_column)
+
+    def normalize(self, out, mean_out, rstd_out, w, b, chunks):
+        """Write the rows' LayerNorm, mean and rstd (see the module's engine plan)."""
+        r0, rows, tile = self.r0, self.rows, self.tile
+        # One DMA per row tile: a chunk's rows can be short enough for the DMA to lose efficiency.
+        row_result = nl.ndarray(tile.shape, tile.dtype, buffer=nl.sbuf)
+        for c0, c in chunks:
+            result = row_result[:, c0 : c0 + c]
+            # With both a weight and a bias, the last CENTRED_SHARE of the columns are centred and scaled
+            # by the weight on VectorE, which leaves GpSimd one pass there instead of two.
+            split = c - _even(c * CENTRED_SHARE[0] // CENTRED_SHARE[1]) if w is not None and b is not None else c
+            for lo, hi in ((0, split), (split, c)):
+                if hi > lo:
+                    self._columns(result[:, lo:hi], c0 + lo, hi - lo, w, b, centred=lo > 0)
+        nisa.dma_copy(dst=out[r0 : r0 + rows, :], src=row_result)
+        nisa.dma_copy(dst=mean_out[r0 : r0 + rows, :], src=self.mean)
+        nisa.dma_copy(dst=rstd_out[r0 : r0 + rows, :], src=self.rstd)
+
+    def _columns(self, result, c0, c, w, b, centred):
+        """LayerNorm of columns [c0, c0 + c) into ``result``: n = x * rstd - mean * rstd on ScalarE, then
+        * weight and + bias on GpSimd; or, ``centred``, (x - mean) * weight on VectorE, * rstd on ScalarE
+        and + bias on GpSimd."""
+        rows, x = self.rows, self.tile[:, c0 : c0 + c]
+        last = result if b is None else nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+        if centred:
+            weighted = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(
+                dst=weighted,
+                data=x,
+                op0=nl.subtract,
+                operand0=self.mean,
+                op1=nl.multiply,
+                operand1=w[:rows, c0 : c0 + c],
+            )
+            nisa.activation(dst=last, op=nl.copy, data=weighted, scale=self.rstd)
+        else:
+            normed = last if w is None else nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=normed, op=nl.copy, data=x, scale=self.rstd, bias=self.shift)
+            if w is not None:
+                nisa.tensor_tensor(
+                    dst=last, data1=normed, data2=w[:rows, c0 : c0 + c], op=nl.multiply, engine=nisa.engine.gpsimd
+                )
+        if b is not None:
+            nisa.tensor_tensor(
+                dst=result, data1=last, data2=b[:rows, c0 : c0 + c], op=nl.add, engine=nisa.engine.gpsimd
+            )
+
+
+def _even(n):
+    return n - n % 2
+
+
+@nki.jit
+def layernorm_fwd(x, weight, bias, eps):
+    """LayerNorm forward.
+
+    Args:
+        x: [N, H] input in HBM (bf16, fp16 or fp32).
+        weight: [H] weight in HBM, or None (no affine scale).
+        bias: [H] bias in HBM, or None.
+        eps: variance epsilon (Python float).
+
+    IO shapes:
+        returns (out [N, H] of x's dtype, mean [N, 1] fp32, rstd [N, 1] fp32), all in HBM.
+    """
+    check_shapes(x.shape, x.dtype, None if weight is None else weight.shape, None if bias is None else bias.shape)
+    rows_total, hidden = x.shape
+    out = nl.ndarray((rows_total, hidden), x.dtype, buffer=nl.shared_hbm)
+    mean_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
+    rstd_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
+    w = None if weight is None else _broadcast(weight, hidden)
+    b = None if bias is None else _broadcast(bias, hidden)
+    eps_column = _constant_column(eps)
+    chunks = list(tiles(hidden, FREE_CHUNK))
+    for r0, rows in tiles(rows_total, P):
+        _RowTile(x, r0, rows, eps_column).normalize(out, mean_out, rstd_out, w, b, chunks)
+    return out, mean_out, rstd_out
+
+
+def _summed(data, scale, total, dtype):
+    """ScalarE: ``data * scale``, returned in ``dtype``, and its sum over each row into ``total``."""
+    out = nl.ndarray(data.shape, dtype, buffer=nl.sbuf)
+    nisa.activation(
+        dst=out,
+        op=nl.copy,
+        data=data,
+        scale=scale,
+        reduce_op=nl.add,
+        reduce_cmd=nisa.reduce_cmd.reset_reduce,
+        reduce_res=total,
+    )
+    return out
+
+
+class _GradientRows(nl.NKIObject):
+    """Up to 128 rows of the backward, x resident in SBUF: ``first_pass`` issues pass 1 and the row
+    constants, ``finish`` pass 2."""
+
+    def __init__(self, dy, x, mean, rstd, r0, rows, plan):
+        """Load the rows' x, mean and rstd, and dy unless the plan streams it chunk by chunk."""
+        self.r0, self.rows, self.chunks, self.group, self.dy_hbm = r0, rows, plan.chunks, plan.group, dy
+        self.tile = nl.ndarray((rows, x.shape[1]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.tile, src=x[r0 : r0 + rows, :])
+        self.dy = None
+        if plan.pipelined:
+            self.dy = nl.ndarray((rows, x.shape[1]), dy.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=self.dy, src=dy[r0 : r0 + rows, :])
+        self.mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.mean, src=mean[r0 : r0 + rows, :])
+        self.rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.rstd, src=rstd[r0 : r0 + rows, :])
+
+    def first_pass(self, w, hidden, accumulators):
+        """Pass 1 and the row constants, a group of chunks at a time: VectorE forms g = (dy - 0) * w and
+        p = (x - mean) * dy for the group (its one-cycle subtract-then-multiply form) while TensorE
+        accumulates the parameter gradients, then GpSimd forms p * w, then ScalarE writes g * rstd (kept
+        for pass 2) and sums it and p * w, each chunk's sums in their own column. Issued engine by engine
+        over a group, VectorE never waits on another engine, GpSimd only on VectorE, and ScalarE's passes
+        follow one another."""
+        rows, r, m, n = self.rows, self.rstd, self.mean, len(self.chunks)
+        sums = nl.ndarray((rows, 2, n), nl.float32, buffer=nl.sbuf)  # per chunk: sum(g * rstd), sum(p * w)
+        self.scaled_g = []
+        for first in range(0, n, self.group):
+            group = self.chunks[first : first + self.group]
+            gs, ps = [], []
+            for c0, c in group:
+                if self.dy is not None:
+                    dy_chunk = self.dy[:, c0 : c0 + c]
+                else:
+                    dy_chunk = nl.ndarray((rows, c), self.dy_hbm.dtype, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=dy_chunk, src=self.dy_hbm[self.r0 : self.r0 + rows, c0 : c0 + c])
+                g = dy_chunk
+                if w is not None:
+                    g = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+                    nisa.scalar_tensor_tensor(
+                        dst=g,
+                        data=dy_chunk,
+                        op0=nl.subtract,
+                        operand0=0.0,
+                        op1=nl.multiply,
+                        operand1=w[:rows, c0 : c0 + c],
+                    )
+                p = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)  # (x - mean) * dy = dy * n / rstd
+                nisa.scalar_tensor_tensor(
+                    dst=p,
+                    data=self.tile[:, c0 : c0 + c],
+                    op0=nl.subtract,
+                    operand0=m,
+                    op1=nl.multiply,
+                    operand1=dy_chunk,
+                )
+                accumulators.add(p, dy_chunk, r, c0, c)
+                gs.append(g)
+                ps.append(p)
+            pws = ps
+            if w is not None:
+                pws = []
+                for (c0, c), p in zip(group, ps):
+                    pw = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_tensor(
+                        dst=pw, data1=p, data2=w[:rows, c0 : c0 + c], op=nl.multiply, engine=nisa.engine.gpsimd
+                    )
+                    pws.append(pw)
+            for i, g in enumerate(gs, first):
+                self.scaled_g.append(_summed(g, r, sums[:, 0, i : i + 1], nl.float32))
+            for i, pw in enumerate(pws, first):
+                _summed(pw, 1.0, sums[:, 1, i : i + 1], nl.bfloat16)  # only the sum is kept
+        totals = nl.ndarray((rows, 2), nl.float32, buffer=nl.sbuf)
+        for j in range(2):
+            _summed(sums[:, j, :], 1.0, totals[:, j : j + 1], nl.float32)
+        self.k1, self.k0 = self._constants(totals[:, 0:1], totals[:, 1:2], hidden)
+        self.dy = None  # pass 2 does not read dy: its SBUF is free for the next tile
+
+    def finish(self, dx):
+        """Pass 2: dx = g * rstd + k1 * x + k0 over the resident x row, which then leaves in one DMA.
+        ScalarE forms k1 * x + k0 and GpSimd adds g * rstd, except in the last DX_ON_VECTOR of each
+        chunk's columns, where VectorE forms the affine term."""
+        rows, k1, k0 = self.rows, self.k1, self.k0
+        for (c0, c), gr in zip(self.chunks, self.scaled_g):
+            split = c - _even(c * DX_ON_VECTOR[0] // DX_ON_VECTOR[1])
+            for lo, hi in ((0, split), (split, c)):
+                if hi == lo:
+                    continue
+                x_part = self.tile[:, c0 + lo : c0 + hi]
+                affine = nl.ndarray((rows, hi - lo), nl.float32, buffer=nl.sbuf)
+                if lo == 0:
+                    nisa.activation(dst=affine, op=nl.copy, data=x_part, scale=k1, bias=k0)
+                else:
+                    nisa.tensor_scalar(dst=affine, data=x_part, op0=nl.multiply, operand0=k1, op1=nl.add, operand1=k0)
+                # dx overwrites the x row it is computed from, so the whole row leaves in one wide DMA.
+                nisa.tensor_tensor(dst=x_part, data1=affine, data2=gr[:, lo:hi], op=nl.add, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=dx[self.r0 : self.r0 + rows, :], src=self.tile)
+
+    def _constants(self, sum_gr, sum_pw, hidden):
+        """k1 = -rstd^2 c = -rstd^3 sum(p * w) / H and k0 = -rstd a - k1 mean = -sum(g * rstd) / H - k1 mean,
+        on ScalarE (a few one-element-per-row instructions), so that pass 2 follows on the same engine."""
+        rows, r = self.rows, self.rstd
+        column = [nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf) for _ in range(5)]
+        r2, r3, k1, neg_mean, k0 = column
+        nisa.activation(dst=r2, op=nl.copy, data=r, scale=r)
+        nisa.activation(dst=r3, op=nl.copy, data=r2, scale=r)
+        nisa.activation(dst=r3, op=nl.copy, data=r3, scale=-1.0 / hidden)
+        nisa.activation(dst=k1, op=nl.copy, data=sum_pw, scale=r3)
+        nisa.activation(dst=neg_mean, op=nl.copy, data=self.mean, scale=-1.0)
+        nisa.activation(dst=k0, op=nl.copy, data=sum_gr, scale=-1.0 / hidden)  # -rstd * a
+        nisa.activation(dst=k0, op=nl.copy, data=k1, scale=neg_mean, bias=k0)
+        return k1, k0
+
+
+class _ParameterGradients(nl.NKIObject):
+    """dweight^T and dbias^T accumulated over all rows in PSUM (column b holds hidden[128 b : 128 b + 128])
+    by TensorE: dweight += p^T @ rstd (p = (x - mean) * dy), dbias += dy^T @ 1."""
+
+    def __init__(self, hidden, dy_dtype):
+        self.blocks = list(tiles(hidden, P))
+        self.dweight_t = nl.ndarray((P, len(self.blocks)), nl.float32, buffer=nl.psum)
+        self.dbias_t = nl.ndarray((P, len(self.blocks)), nl.float32, buffer=nl.psum)
+        self.ones = nl.ndarray((P, 1), dy_dtype, buffer=nl.sbuf)  # dbias's matmul pairs dy with its own dtype
+        nisa.memset(dst=self.ones, value=1.0)
+
+    def add(self, p, dy_chunk, rstd, c0, c):
+        rows = p.shape[0]
+        for b in range(c0 // P, (c0 + c + P - 1) // P):
+            b0, width = self.blocks[b]
+            block = slice(b0 - c0, b0 - c0 + width)
+            nisa.nc_matmul(dst=self.dweight_t[:width, b : b + 1], stationary=p[:, block], moving=rstd)
+            nisa.nc_matmul(
+                dst=self.dbias_t[:width, b : b + 1], stationary=dy_chunk[:, block], moving=self.ones[:rows, :]
+            )
+
+    def store(self, dweight, dbias):
+        for accumulated, target in ((self.dweight_t, dweight), (self.dbias_t, dbias)):
+            evicted = nl.ndarray((P, len(self.blocks)), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=evicted, src=accumulated)
+            for b, (b0, width) in enumerate(self.blocks):
+                nisa.dma_copy(dst=target[b0 : b0 + width].reshape((width, 1)), src=evicted[:width, b : b + 1])
+
+
+class _BackwardPlan(nl.NKIObject):
+    """How the backward holds its rows in SBUF (bytes per partition): ``pipelined`` keeps three row tiles
+    alive (the next one loading; this one with x, dy, g * rstd and GROUP chunks of pass-1 temporaries;
+    the previous one's x and g * rstd awaiting pass 2); otherwise one tile at a time, dy streamed chunk
+    by chunk and one chunk of temporaries. Raises when even that does not fit."""
+
+    def __init__(self, hidden, x_dtype, dy_dtype, w_dtype):
+        self.chunks = list(tiles(hidden, FREE_CHUNK))
+        width = self.chunks[0][1]
+        sx, sdy, sw = itemsize(x_dtype), itemsize(dy_dtype), 0 if w_dtype is None else itemsize(w_dtype)
+        temporaries = width * (4 + 4 + 4 + 2 + 4)  # g, p, p * w, the discarded copy, pass 2's affine term
+        available = nl.tile_size.total_available_sbuf_size - SBUF_RESERVE
+        pipelined = hidden * (sw + (sx + sdy) + (sx + sdy + 4) + (sx + 4)) + GROUP * temporaries
+        lean = hidden * (sw + sx + 4) + width * sdy + temporaries
+        self.pipelined = pipelined < available
+        self.group = GROUP if self.pipelined else 1
+        if lean >= available:
+            raise ValueError(
+                f"layernorm: hidden size {hidden} needs {lean:,} bytes of SBUF per partition in the backward, "
+                f"over the {available:,} available"
+            )
+
+
+@nki.jit
+def layernorm_bwd(dy, x, weight, mean, rstd):
+    """LayerNorm backward: dx, dweight and dbias from the saved per-row mean and rstd.
+
+    With n = (x - mean) * rstd and g = dy * weight (g = dy without a weight), per row
+    a = sum(g) / H and c = sum(g * n) / H:
+        dx = rstd * (g - a - n * c)
+        dweight = sum over rows of dy * n;  dbias = sum over rows of dy
+
+    Args:
+        dy: [N, H] gradient of the output (x's dtype).
+        x: [N, H] forward input.
+        weight: [H] forward weight, or None.
+        mean, rstd: [N, 1] fp32 from the forward.
+
+    IO shapes:
+        returns (dx [N, H] of x's dtype, dweight [H] fp32, dbias [H] fp32), all in HBM (dweight and
+        dbias are computed whether or not the module has them; they cost TensorE time only).
+
+    Engine plan, per row tile, in two passes over its chunks
+        Pass 1: VectorE forms p = (x - mean) * dy (the documented one-cycle subtract-then-multiply
+        form); TensorE accumulates the weight and bias gradients (``_ParameterGradients``); GpSimd
+        forms g = dy * weight and p * weight; ScalarE writes g * rstd (kept for pass 2) while summing it,
+        and sums p * weight: sum(g * n) = rstd * sum(p * weight).
+        Pass 2 (``_GradientRows.finish``): ScalarE forms k1 * x + k0, GpSimd adds g * rstd (VectorE does
+        both for DX_ON_VECTOR of the columns).
+        A tile's pass 2 is issued after the next tile's pass 1 where SBUF holds both, so each engine's
+        in-order queue always has work whose inputs are ready.
+    """
+    check_shapes(x.shape, x.dtype, None if weight is None else weight.shape, None)
+    rows_total, hidden = x.shape
+    dx = nl.ndarray((rows_total, hidden), x.dtype, buffer=nl.shared_hbm)
+    dweight = nl.ndarray((hidden,), nl.float32, buffer=nl.shared_hbm)
+    dbias = nl.ndarray((hidden,), nl.float32, buffer=nl.shared_hbm)
+    w = None if weight is None else _broadcast(weight, hidden)
+    accumulators = _ParameterGradients(hidden, dy.dtype)
+    plan = _BackwardPlan(hidden, x.dtype, dy.dtype, None if weight is None else weight.dtype)
+    row_tiles = list(tiles(rows_total, P))
+    if not plan.pipelined:
+        for r0, rows in row_tiles:
+            rows_tile = _GradientRows(dy, x, mean, rstd, r0, rows, plan)
+            rows_tile.first_pass(w, hidden, accumulators)
+            rows_tile.finish(dx)
+    else:
+        # The next tile is loaded before this one's work is issued, into its own buffers (dx is written
+        # over x, so a load into a reused buffer would wait for this tile's last instruction), and a
+        # tile's pass 2 follows the next tile's pass 1, so VectorE's share of pass 2 (which waits for
+        # ScalarE's constants) never holds up VectorE's pass 1, which every other engine waits for.
+        loaded = _GradientRows(dy, x, mean, rstd, *row_tiles[0], plan)
+        previous = None
+        for following in row_tiles[1:] + [None]:
+            current = loaded
+            loaded = None if following is None else _GradientRows(dy, x, mean, rstd, *following, plan)
+            current.first_pass(w, hidden, accumulators)
+            if previous is not None:
+                previous.finish(dx)
+            previous = current
+        previous.finish(dx)
+    accumulators.store(dweight, dbias)
+    return dx, dweight, dbias

@@ -1,0 +1,186 @@
+"""LayerNorm op: numerics against torch.nn.functional.layer_norm, autograd, torch.library contract, SBUF
+limits on every target, bad input."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from kernels_neuron import sim
+from kernels_neuron.ops.layernorm import (
+    MAX_HIDDEN,
+    layer_norm,
+    layer_norm_reference,
+    layernorm_fwd,
+    max_hidden,
+)
+from nki_src import layernorm as kernels
+
+# rows x hidden: ragged row tiles, hidden sizes off multiples of 128 and of the 2048-column chunk,
+# the range's ends, leading dims
+SHAPES = [(1, 1), (128, 3), (300, 4096), (5, 3000), (129, 100), (2, 7, 256), (3, 2050)]
+AFFINE = {"weight+bias": (True, True), "weight": (True, False), "none": (False, False), "bias": (False, True)}
+EPS = 1e-5
+
+
+def _inputs(shape, dtype, affine, seed=0, vector_dtype=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype)
+    hidden = shape[-1]
+    with_weight, with_bias = AFFINE[affine]
+    w = (torch.randn(hidden, generator=gen) * 0.1 + 1.0).to(vector_dtype or dtype) if with_weight else None
+    b = (torch.randn(hidden, generator=gen) * 0.1).to(vector_dtype or dtype) if with_bias else None
+    return x, w, b
+
+
+def _fp32(t):
+    return None if t is None else t.float()
+
+
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fp32_matches_reference_tightly(shape, affine):
+    x, w, b = _inputs(shape, torch.float32, affine)
+    torch.testing.assert_close(layer_norm(x, w, b, EPS), layer_norm_reference(x, w, b, EPS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("affine", ["weight+bias", "weight"])
+@pytest.mark.parametrize("shape", [(300, 4096), (5, 3000), (129, 100)], ids=str)
+def test_bf16_error_is_within_torchs_own_bf16_error(shape, affine):
+    x, w, b = _inputs(shape, torch.bfloat16, affine)
+    exact = layer_norm_reference(x.float(), _fp32(w), _fp32(b), EPS)
+    torch_error = (layer_norm_reference(x, w, b, EPS).float() - exact).abs().max()
+    kernel_error = (layer_norm(x, w, b, EPS).float() - exact).abs().max()
+    assert torch_error > 0 and kernel_error <= 1.5 * torch_error, (kernel_error, torch_error)
+
+
+def test_a_large_mean_costs_at_most_the_documented_precision():
+    """The variance is two-pass (bn_stats: no E[x^2] - mean^2 cancellation), but n = x * rstd - mean * rstd
+    is one fused ScalarE pass, whose absolute error grows as 2**-24 * |mean| / std (docs of nki_src/layernorm)."""
+    gen = torch.Generator().manual_seed(5)
+    for mean, std in ((300.0, 0.01), (3.0, 1.0)):
+        x = torch.randn(64, 1000, generator=gen) * std + mean
+        ratio = abs(mean) / std
+        error = (layer_norm(x, None, None, EPS) - layer_norm_reference(x, None, None, EPS)).abs().max()
+        assert error <= 8 * 2**-24 * ratio + 1e-6, (ratio, error)
+        if ratio > 1e4:
+            assert error > 1e-5  # the cancellation is real (this test would notice a change of formula)
+
+
+def test_mixed_dtypes_compute_in_fp32_and_return_the_inputs_dtype():
+    x, w, b = _inputs((40, 256), torch.bfloat16, "weight+bias", vector_dtype=torch.float32)
+    out = layer_norm(x, w, b, EPS)
+    assert out.dtype == torch.bfloat16 == layer_norm_reference(x, w, b, EPS).dtype
+    exact = layer_norm_reference(x.float(), w, b, EPS)
+    assert (out.float() - exact).abs().max() <= 1.5 * (layer_norm_reference(x, w, b, EPS).float() - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, None), (torch.bfloat16, 3.0)])
+@pytest.mark.parametrize("affine", ["weight+bias", "none", "bias"])
+@pytest.mark.parametrize("shape", [(300, 1000), (2, 3, 64), (130, 4096), (7, 1)], ids=str)
+def test_gradients(shape, affine, dtype, tol):
+    x, w, b = _inputs(shape, dtype, affine, seed=1)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+    def grads(fn, *tensors):
+        leaves = [None if t is None else t.clone().requires_grad_(True) for t in tensors]
+        fn(*leaves, EPS).backward(grad.to(leaves[0].dtype))
+        return [None if t is None else t.grad for t in leaves]
+
+    got = grads(layer_norm, x, w, b)
+    present = [i for i, t in enumerate((x, w, b)) if t is not None]
+    assert all(got[i].dtype == (x, w, b)[i].dtype for i in present)
+    # a comparison that can fail: non-zero gradients (at H = 1, n = 0, so only the bias gets one)
+    assert all(got[i].abs().max() > 0 for i in present if shape[-1] > 1 or i == 2)
+    rows = x.numel() // shape[-1]
+    if tol is None:
+        want = grads(layer_norm_reference, x, w, b)
+        # H = 1: rstd = 1/sqrt(eps) scales the (exactly cancelling) dx terms by ~300
+        scale = 1 / math.sqrt(EPS) if shape[-1] == 1 else 1.0
+        for i in present:
+            atol = 1e-4 * scale if i == 0 else 1e-4 * math.sqrt(rows)
+            torch.testing.assert_close(got[i], want[i], rtol=1e-4, atol=atol)
+    else:
+        exact = grads(layer_norm_reference, x.float(), _fp32(w), _fp32(b))
+        torch_bf16 = grads(layer_norm_reference, x, w, b)
+        for i in present:
+            kernel_error = (got[i].float() - exact[i]).abs().max()
+            assert kernel_error <= tol * (torch_bf16[i].float() - exact[i]).abs().max() + 1e-6, i
+
+
+def test_opcheck_passes_for_forward_with_autograd():
+    x, w, b = _inputs((20, 256), torch.float32, "weight+bias")
+    torch.library.opcheck(layernorm_fwd, (x, w, b, EPS))
+    torch.library.opcheck(layernorm_fwd, (x.requires_grad_(), w.requires_grad_(), None, EPS))
+
+
+def test_torch_compile_fullgraph_has_no_graph_breaks():
+    x, w, b = _inputs((2, 9, 256), torch.float32, "weight+bias")
+    compiled = torch.compile(lambda a, c, d: layer_norm(a, c, d, EPS) * 2, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, w, b), 2 * layer_norm_reference(x, w, b, EPS), rtol=1e-5, atol=1e-5)
+    explanation = torch._dynamo.explain(lambda a, c, d: layer_norm(a, c, d, EPS))(x, w, b)
+    assert explanation.graph_break_count == 0
+
+
+def test_nan_and_inf_propagate_like_the_reference():
+    x, w, b = _inputs((4, 128), torch.float32, "weight+bias")
+    x[1, 5], x[2, 0] = float("nan"), float("inf")
+    out, ref = layer_norm(x, w, b, EPS), layer_norm_reference(x, w, b, EPS)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out[1].isnan().all() and not out[0].isnan().any()
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_largest_hidden_size_fits_sbuf_forward_and_backward(target, dtype):
+    """One row tile at the limit, capacity checks on: the backward switches to its lean plan there."""
+    hidden = max_hidden(dtype)
+    rng = np.random.default_rng(0)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    x, w, b = (rng.standard_normal(shape).astype(np_dtype) for shape in ((3, hidden), (hidden,), (hidden,)))
+    out, mean, rstd = sim.run(kernels.layernorm_fwd, x, w, b, EPS, target=target).outputs
+    dy = rng.standard_normal((3, hidden)).astype(np_dtype)
+    dx, dw, db = sim.run(kernels.layernorm_bwd, dy, x, w, mean, rstd, target=target).outputs
+    want = layer_norm_reference(
+        torch.from_numpy(x.astype(np.float32)),
+        torch.from_numpy(w.astype(np.float32)),
+        torch.from_numpy(b.astype(np.float32)),
+        EPS,
+    )
+    assert np.abs(out.astype(np.float32) - want.numpy()).max() < 0.05
+    np.testing.assert_allclose(db, dy.astype(np.float32).sum(axis=0), rtol=1e-5, atol=1e-5)
+
+
+def test_past_the_largest_hidden_size_the_backward_names_the_sbuf_it_needs():
+    hidden = MAX_HIDDEN * 2
+    x = np.zeros((1, hidden), np.float32)
+    with pytest.raises(ValueError, match=f"hidden size {hidden} is outside the supported range 1..8192"):
+        sim.run(kernels.layernorm_fwd, x, None, None, EPS)
+    with pytest.raises(ValueError, match=r"needs [\d,]+ bytes of SBUF per partition in the backward"):
+        kernels._BackwardPlan(40000, "bfloat16", "bfloat16", "bfloat16")
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: (torch.ones(4, 128, dtype=torch.int32), None, None), "dtype torch.int32"),
+        (
+            lambda: (torch.ones(4, 128), torch.ones(127), None),
+            r"weight of shape \(127,\) does not match hidden size 128",
+        ),
+        (lambda: (torch.ones(4, 128), None, torch.ones(2, 64)), r"bias of shape \(2, 64\) does not match"),
+        (lambda: (torch.ones(0, 128), None, None), r"shape \(0, 128\) is empty"),
+        (lambda: (torch.ones(128, 4).t(), None, None), "not contiguous"),
+        (
+            lambda: (torch.ones(2, MAX_HIDDEN + 2, dtype=torch.bfloat16), None, None),
+            f"hidden size {MAX_HIDDEN + 2} is outside the supported range 1..{MAX_HIDDEN} for torch.bfloat16",
+        ),
+        (lambda: (torch.ones(2, 9000), None, None), "outside the supported range 1..8192 for torch.float32"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(make, match):
+    x, w, b = make()
+    with pytest.raises((TypeError, ValueError), match=match):
+        layer_norm(x, w, b, EPS)
