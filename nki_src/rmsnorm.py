@@ -14,7 +14,9 @@ Dimensions
     H: hidden size, MIN_HIDDEN..MAX_HIDDEN, any value (not only multiples of 128).
 
 Tiling plan
-    Rows go 128 to a tile, one row per partition. A tile's rows stay in SBUF while the free dim
+    Rows go 128 to a tile, one row per partition; short rows (under PACKED_ROW_BYTES, e.g. per-head
+    q/k norms) go several consecutive rows to a partition in the forward (``_packed_forward``), so
+    each partition's DMA stays long. A tile's rows stay in SBUF while the free dim
     is processed in chunks of at most FREE_CHUNK elements: ScalarE squares each chunk and keeps
     a running sum in its reduce registers (``reduce_cmd``), so the whole row is read from HBM once.
     The weight is broadcast to all 128 partitions once per kernel by a single DMA.
@@ -33,7 +35,13 @@ from ._common import P, itemsize, tiles
 
 FREE_CHUNK = 2048
 SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and constants
-MIN_HIDDEN = 64
+MIN_HIDDEN = 1
+# Rows shorter than PACKED_ROW_BYTES go several to a partition (consecutive rows, contiguous in HBM), so
+# each partition's DMA moves at least that much: AWS's DMA guide asks for >= 2 KiB per partition, and
+# a 256-byte row (Qwen3's per-head q/k norms) alone reaches a quarter of the bandwidth. At most
+# MAX_PACKED_ROWS, as each packed row costs a ScalarE and a VectorE instruction.
+PACKED_ROW_BYTES = 4096
+MAX_PACKED_ROWS = 32
 MAX_HIDDEN = 16384
 CONVENTIONS = ("llama", "gemma", "fp32_multiply")
 
@@ -66,6 +74,60 @@ def _constant_column(value):
     column = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=column, value=value)
     return column
+
+
+def rows_per_partition(hidden, dtype):
+    """How many consecutive rows the forward packs into one partition (1: unpacked)."""
+    return max(1, min(MAX_PACKED_ROWS, PACKED_ROW_BYTES // (hidden * itemsize(dtype))))
+
+
+def _packed_forward(x, out, rstd_out, w, eps_column, r0, k, llama):
+    """128 * k consecutive rows, k to a partition: row r0 + p k + j is columns [j H, (j + 1) H) of
+    partition p. ScalarE squares and sums each row into its own column; VectorE normalises row by row
+    and scales by the weight in one instruction over all k rows (the weight broadcast along them)."""
+    hidden = x.shape[1]
+    width = k * hidden
+    tile = nl.ndarray((P, width), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=x[r0 : r0 + P * k, :].reshape((P, width)))
+    mean_square = nl.ndarray((P, k), nl.float32, buffer=nl.sbuf)
+    for j in range(k):
+        squares = nl.ndarray((P, hidden), nl.bfloat16, buffer=nl.sbuf)  # discarded; only the sum is kept
+        nisa.activation(
+            dst=squares,
+            op=nl.square,
+            data=tile[:, j * hidden : (j + 1) * hidden],
+            scale=1.0 / (hidden**0.5),
+            reduce_op=nl.add,
+            reduce_cmd=nisa.reduce_cmd.reset_reduce,
+            reduce_res=mean_square[:, j : j + 1],
+        )
+    rstd = nl.ndarray((P, k), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=rstd, op=nl.rsqrt, data=mean_square, bias=eps_column)
+    result = nl.ndarray((P, width), out.dtype, buffer=nl.sbuf)
+    if llama:
+        normed = nl.ndarray((P, width), x.dtype, buffer=nl.sbuf)  # rounded to x's dtype, as Llama does
+        for j in range(k):
+            row = slice(j * hidden, (j + 1) * hidden)
+            nisa.tensor_scalar(dst=normed[:, row], data=tile[:, row], op0=nl.multiply, operand0=rstd[:, j : j + 1])
+        nisa.tensor_tensor(
+            dst=result.reshape((P, k, hidden)),
+            data1=normed.reshape((P, k, hidden)),
+            data2=w.reshape((P, 1, hidden)).broadcast(1, k),
+            op=nl.multiply,
+        )
+    else:
+        for j in range(k):
+            row = slice(j * hidden, (j + 1) * hidden)
+            nisa.scalar_tensor_tensor(
+                dst=result[:, row],
+                data=tile[:, row],
+                op0=nl.multiply,
+                operand0=rstd[:, j : j + 1],
+                op1=nl.multiply,
+                operand1=w,
+            )
+    nisa.dma_copy(dst=out[r0 : r0 + P * k, :].reshape((P, width)), src=result)
+    nisa.dma_copy(dst=rstd_out[r0 : r0 + P * k, :].reshape((P, k)), src=rstd)
 
 
 def _row_rstd(tile, rows, hidden, eps_column):
@@ -111,7 +173,12 @@ def rmsnorm_fwd(x, weight, eps, convention, out_dtype):
     rstd_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
     w = _broadcast_weight(weight, hidden, weight.dtype if llama else nl.float32, convention == "gemma")
     eps_column = _constant_column(eps)
-    for r0, rows in tiles(rows_total, P):
+    k = rows_per_partition(hidden, x.dtype)
+    packed = rows_total - rows_total % (P * k) if k > 1 else 0
+    for r0 in range(0, packed, P * k):
+        _packed_forward(x, out, rstd_out, w, eps_column, r0, k, llama)
+    for r0, rows in tiles(rows_total - packed, P):
+        r0 += packed
         tile = nl.ndarray((rows, hidden), x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=x[r0 : r0 + rows, :])
         rstd = _row_rstd(tile, rows, hidden, eps_column)
