@@ -42,34 +42,69 @@ SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and c
 # With a weight and a bias, this fraction of each chunk's columns goes VectorE's way (see _RowTile):
 # per element, VectorE's statistics cost 1 cycle at 0.96 GHz and the centring 1 more, GpSimd's two
 # passes 1 cycle each at 1.2 GHz, so moving f of the columns balances 1 + f against (2 - f) * 0.8:
-# f = 0.31 on Trn2's clocks (AWS's documented per-instruction costs, docs/hardware.md).
-CENTRED_SHARE = (5, 16)
-# In the backward, the columns whose dx VectorE forms alone (see _GradientRows.finish): pass 1 leaves
-# ScalarE two passes and GpSimd two, VectorE one at 0.96 GHz; dx costs ScalarE + GpSimd one pass each,
-# or VectorE three cycles per element (a multiply-add and a two-cycle fp32 add), so 3/8 of the columns
-# on VectorE balances the three engines (Trn2 clocks, AWS's documented costs: docs/hardware.md).
+# f = 1/3 on Trn2's clocks (AWS's documented per-instruction costs, docs/hardware.md).
+CENTRED_SHARE = (1, 3)
+# In the backward's pass 2, the share of each chunk's columns whose affine term k1 x + k0 VectorE forms
+# (ScalarE forms the rest; GpSimd adds g * rstd to all): pass 1 leaves ScalarE with two passes and
+# VectorE with two one-cycle ones at a lower clock, so VectorE takes 3/8 (chosen by modelling 2/8 ..
+# 4/8 on Trn2: 3/8 was the fastest).
 DX_ON_VECTOR = (3, 8)
 GROUP = 2  # chunks whose pass-1 temporaries are alive at once in the backward (bounds its SBUF use)
 MIN_HIDDEN = 1
-MAX_HIDDEN = 16384  # 2-byte inputs; 4-byte ones stop at MAX_HIDDEN_FP32 (see max_hidden)
-MAX_HIDDEN_FP32 = 8192
+MAX_HIDDEN = 16384
+# SBUF per partition on trn1, the smallest target (docs/hardware.md): the op and the layers accept a
+# hidden size only where the kernels fit it on every target.
+SMALLEST_SBUF_BYTES = 192 * 1024
+BACKWARD_TEMPORARIES = 4 + 4 + 4 + 2 + 4  # bytes per column of a chunk: g, p, p * w, a discarded copy, dx's affine
 
 
-def max_hidden(dtype):
-    """The largest hidden size whose resident rows fit SBUF beside the weight, bias and temporaries."""
-    return MAX_HIDDEN_FP32 if itemsize(dtype) == 4 else MAX_HIDDEN
+def forward_bytes(hidden, x_size, weight_size, bias_size):
+    """SBUF per partition the forward needs (element sizes in bytes, 0 for an absent weight or bias):
+    a row tile and its result, the broadcast weight and bias, and a chunk's fp32 temporaries."""
+    return hidden * (2 * x_size + weight_size + bias_size) + min(hidden, FREE_CHUNK) * 4 * 3 + SBUF_RESERVE
 
 
-def check_shapes(x_shape, x_dtype, weight_shape, bias_shape):
-    """Raise ValueError naming the op, the shape and the limit when the kernel cannot take them."""
+def lean_backward_bytes(hidden, x_size, dy_size, weight_size):
+    """SBUF per partition the backward needs at the least (``_BackwardPlan``'s one-tile schedule): x,
+    g * rstd (fp32) and the weight per row, and one chunk of dy and of temporaries."""
+    return (
+        hidden * (weight_size + x_size + 4) + min(hidden, FREE_CHUNK) * (dy_size + BACKWARD_TEMPORARIES) + SBUF_RESERVE
+    )
+
+
+def max_hidden(x_dtype, weight_dtype=None, bias_dtype=None, sbuf_bytes=SMALLEST_SBUF_BYTES):
+    """The largest hidden size (at most MAX_HIDDEN) whose forward and backward fit ``sbuf_bytes`` per
+    partition with these dtypes (None: no weight, or no bias; dy has x's dtype)."""
+    sx = itemsize(x_dtype)
+    sw = 0 if weight_dtype is None else itemsize(weight_dtype)
+    sb = 0 if bias_dtype is None else itemsize(bias_dtype)
+
+    def fits(hidden):
+        return max(forward_bytes(hidden, sx, sw, sb), lean_backward_bytes(hidden, sx, sx, sw)) <= sbuf_bytes
+
+    lo, hi = MIN_HIDDEN, MAX_HIDDEN
+    if fits(hi):
+        return hi
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def check_shapes(x_shape, x_dtype, weight_shape, weight_dtype, bias_shape, bias_dtype):
+    """Raise ValueError naming the op, the shape and the limit when the kernel cannot take them (on this
+    target's SBUF)."""
     if len(x_shape) != 2:
         raise ValueError(f"layernorm: x must be 2-D [rows, hidden], got shape {tuple(x_shape)}")
     rows, hidden = x_shape
     if rows < 1:
         raise ValueError(f"layernorm: x has no rows (shape {tuple(x_shape)})")
-    limit = max_hidden(x_dtype)
+    limit = max_hidden(x_dtype, weight_dtype, bias_dtype, nl.tile_size.total_available_sbuf_size)
     if not MIN_HIDDEN <= hidden <= limit:
-        raise ValueError(f"layernorm: hidden size {hidden} is outside the supported range {MIN_HIDDEN}..{limit}")
+        raise ValueError(
+            f"layernorm: hidden size {hidden} is outside the supported range {MIN_HIDDEN}..{limit} for these "
+            "dtypes on this target's SBUF"
+        )
     for name, shape in (("weight", weight_shape), ("bias", bias_shape)):
         if shape is not None and tuple(shape) != (hidden,):
             raise ValueError(f"layernorm: {name} shape {tuple(shape)} does not match hidden size {hidden}")
@@ -78,7 +113,7 @@ def check_shapes(x_shape, x_dtype, weight_shape, bias_shape):
 def _broadcast(vector, hidden):
     """A [H] vector on every partition, in its own dtype."""
     spread = nl.ndarray((P, hidden), vector.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=spread, src=vector.reshape((1, hidden)).broadcast_to((P, hidden)))
+    nisa.dma_copy(dst=spread, src=vector.reshape((1, hidden)).broadcast(0, P))
     return spread
 
 
@@ -88,21 +123,30 @@ def _constant_column(value):
     return column
 
 
-def _row_sum(partials, rows):
-    """The per-row sum of one column per chunk."""
-    total = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=total, op=nl.add, data=partials, axis=1)
-    return total
+def _bn_pieces(hidden):
+    """bn_stats pieces (at most bn_stats_fmax elements each) covering a row, none of one element: each
+    piece's statistics come as an even-element and an odd-element half, and AWS documents no result
+    for an empty half."""
+    pieces = list(tiles(hidden, nl.tile_size.bn_stats_fmax))
+    if len(pieces) > 1 and pieces[-1][1] == 1:
+        (c0, c), (last, _) = pieces[-2], pieces[-1]
+        pieces[-2:] = [(c0, c - 1), (last - 1, 2)]
+    return pieces
 
 
 def _statistics(tile, rows, hidden, eps_column):
-    """(rstd, -mean * rstd) per row, from VectorE's bn_stats/bn_aggr."""
-    pieces = list(tiles(hidden, nl.tile_size.bn_stats_fmax))
-    stats = nl.ndarray((rows, 6 * len(pieces)), nl.float32, buffer=nl.sbuf)
-    for i, (c0, c) in enumerate(pieces):
-        nisa.bn_stats(dst=stats[:, 6 * i : 6 * i + 6], data=tile[:, c0 : c0 + c])
+    """(mean, rstd, -mean * rstd) per row, from VectorE's bn_stats/bn_aggr (a one-element row is its own
+    mean, with variance 0)."""
     moments = nl.ndarray((rows, 2), nl.float32, buffer=nl.sbuf)  # mean, variance
-    nisa.bn_aggr(dst=moments, data=stats)
+    if hidden == 1:
+        nisa.tensor_copy(dst=moments[:, 0:1], src=tile)
+        nisa.memset(dst=moments[:, 1:2], value=0.0)
+    else:
+        pieces = _bn_pieces(hidden)
+        stats = nl.ndarray((rows, 6 * len(pieces)), nl.float32, buffer=nl.sbuf)
+        for i, (c0, c) in enumerate(pieces):
+            nisa.bn_stats(dst=stats[:, 6 * i : 6 * i + 6], data=tile[:, c0 : c0 + c])
+        nisa.bn_aggr(dst=moments, data=stats)
     rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=rstd, op=nl.rsqrt, data=moments[:, 1:2], bias=eps_column[:rows, :])
     shift = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
@@ -185,7 +229,14 @@ def layernorm_fwd(x, weight, bias, eps):
     IO shapes:
         returns (out [N, H] of x's dtype, mean [N, 1] fp32, rstd [N, 1] fp32), all in HBM.
     """
-    check_shapes(x.shape, x.dtype, None if weight is None else weight.shape, None if bias is None else bias.shape)
+    check_shapes(
+        x.shape,
+        x.dtype,
+        None if weight is None else weight.shape,
+        None if weight is None else weight.dtype,
+        None if bias is None else bias.shape,
+        None if bias is None else bias.dtype,
+    )
     rows_total, hidden = x.shape
     out = nl.ndarray((rows_total, hidden), x.dtype, buffer=nl.shared_hbm)
     mean_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
@@ -295,8 +346,8 @@ class _GradientRows(nl.NKIObject):
 
     def finish(self, dx):
         """Pass 2: dx = g * rstd + k1 * x + k0 over the resident x row, which then leaves in one DMA.
-        ScalarE forms k1 * x + k0 and GpSimd adds g * rstd, except in the last DX_ON_VECTOR of each
-        chunk's columns, where VectorE forms the affine term."""
+        ScalarE forms k1 * x + k0 (VectorE for the last DX_ON_VECTOR of each chunk's columns), and
+        GpSimd adds g * rstd."""
         rows, k1, k0 = self.rows, self.k1, self.k0
         for (c0, c), gr in zip(self.chunks, self.scaled_g):
             split = c - _even(c * DX_ON_VECTOR[0] // DX_ON_VECTOR[1])
@@ -308,7 +359,15 @@ class _GradientRows(nl.NKIObject):
                 if lo == 0:
                     nisa.activation(dst=affine, op=nl.copy, data=x_part, scale=k1, bias=k0)
                 else:
-                    nisa.tensor_scalar(dst=affine, data=x_part, op0=nl.multiply, operand0=k1, op1=nl.add, operand1=k0)
+                    nisa.tensor_scalar(
+                        dst=affine,
+                        data=x_part,
+                        op0=nl.multiply,
+                        operand0=k1,
+                        op1=nl.add,
+                        operand1=k0,
+                        engine=nisa.engine.vector,
+                    )
                 # dx overwrites the x row it is computed from, so the whole row leaves in one wide DMA.
                 nisa.tensor_tensor(dst=x_part, data1=affine, data2=gr[:, lo:hi], op=nl.add, engine=nisa.engine.gpsimd)
         nisa.dma_copy(dst=dx[self.r0 : self.r0 + rows, :], src=self.tile)
@@ -368,13 +427,14 @@ class _BackwardPlan(nl.NKIObject):
         self.chunks = list(tiles(hidden, FREE_CHUNK))
         width = self.chunks[0][1]
         sx, sdy, sw = itemsize(x_dtype), itemsize(dy_dtype), 0 if w_dtype is None else itemsize(w_dtype)
-        temporaries = width * (4 + 4 + 4 + 2 + 4)  # g, p, p * w, the discarded copy, pass 2's affine term
-        available = nl.tile_size.total_available_sbuf_size - SBUF_RESERVE
-        pipelined = hidden * (sw + (sx + sdy) + (sx + sdy + 4) + (sx + 4)) + GROUP * temporaries
-        lean = hidden * (sw + sx + 4) + width * sdy + temporaries
+        available = nl.tile_size.total_available_sbuf_size
+        pipelined = (
+            hidden * (sw + (sx + sdy) + (sx + sdy + 4) + (sx + 4)) + GROUP * width * BACKWARD_TEMPORARIES + SBUF_RESERVE
+        )
+        lean = lean_backward_bytes(hidden, sx, sdy, sw)
         self.pipelined = pipelined < available
         self.group = GROUP if self.pipelined else 1
-        if lean >= available:
+        if lean > available:
             raise ValueError(
                 f"layernorm: hidden size {hidden} needs {lean:,} bytes of SBUF per partition in the backward, "
                 f"over the {available:,} available"
@@ -401,16 +461,19 @@ def layernorm_bwd(dy, x, weight, mean, rstd):
         dbias are computed whether or not the module has them; they cost TensorE time only).
 
     Engine plan, per row tile, in two passes over its chunks
-        Pass 1: VectorE forms p = (x - mean) * dy (the documented one-cycle subtract-then-multiply
-        form); TensorE accumulates the weight and bias gradients (``_ParameterGradients``); GpSimd
-        forms g = dy * weight and p * weight; ScalarE writes g * rstd (kept for pass 2) while summing it,
-        and sums p * weight: sum(g * n) = rstd * sum(p * weight).
-        Pass 2 (``_GradientRows.finish``): ScalarE forms k1 * x + k0, GpSimd adds g * rstd (VectorE does
-        both for DX_ON_VECTOR of the columns).
-        A tile's pass 2 is issued after the next tile's pass 1 where SBUF holds both, so each engine's
-        in-order queue always has work whose inputs are ready.
+        Pass 1 (``_GradientRows.first_pass``): VectorE forms g = (dy - 0) * weight and
+        p = (x - mean) * dy (the documented one-cycle subtract-then-multiply form); TensorE accumulates
+        the weight and bias gradients (``_ParameterGradients``); GpSimd forms p * weight; ScalarE writes
+        g * rstd (kept for pass 2) while summing it, and sums p * weight: sum(g * n) = rstd * sum(p * w).
+        Pass 2 (``_GradientRows.finish``): ScalarE forms k1 * x + k0 (VectorE for DX_ON_VECTOR of the
+        columns), GpSimd adds g * rstd.
+        Where SBUF holds three row tiles (``_BackwardPlan``), the next tile loads while this one works and
+        a tile's pass 2 follows the next tile's pass 1, so each engine's in-order queue has work whose
+        inputs are ready; otherwise tiles go one at a time with dy streamed chunk by chunk.
     """
-    check_shapes(x.shape, x.dtype, None if weight is None else weight.shape, None)
+    check_shapes(
+        x.shape, x.dtype, None if weight is None else weight.shape, None if weight is None else weight.dtype, None, None
+    )
     rows_total, hidden = x.shape
     dx = nl.ndarray((rows_total, hidden), x.dtype, buffer=nl.shared_hbm)
     dweight = nl.ndarray((hidden,), nl.float32, buffer=nl.shared_hbm)

@@ -64,7 +64,7 @@ def check_shapes(x_shape, weight_shape, convention):
 def _broadcast_weight(weight, hidden, dtype, plus_one):
     """The weight on every partition, as ``dtype`` (plus one for the Gemma convention)."""
     spread = nl.ndarray((P, hidden), dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=spread, src=weight.reshape((1, hidden)).broadcast_to((P, hidden)))
+    nisa.dma_copy(dst=spread, src=weight.reshape((1, hidden)).broadcast(0, P))
     if plus_one:
         nisa.tensor_scalar(dst=spread, data=spread, op0=nl.add, operand0=1.0)
     return spread

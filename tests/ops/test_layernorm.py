@@ -77,9 +77,26 @@ def test_mixed_dtypes_compute_in_fp32_and_return_the_inputs_dtype():
     assert (out.float() - exact).abs().max() <= 1.5 * (layer_norm_reference(x, w, b, EPS).float() - exact).abs().max()
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, None), (torch.bfloat16, 3.0)])
-@pytest.mark.parametrize("affine", ["weight+bias", "none", "bias"])
-@pytest.mark.parametrize("shape", [(300, 1000), (2, 3, 64), (130, 4096), (7, 1)], ids=str)
+GRADIENT_CASES = [
+    *[
+        (shape, affine, torch.float32, None)
+        for shape in [(300, 1000), (2, 3, 64), (130, 4096), (7, 1)]
+        for affine in ["weight+bias", "weight", "none", "bias"]
+    ],
+    *[
+        (shape, affine, torch.bfloat16, 3.0)
+        for shape in [(300, 1000), (130, 4096)]
+        for affine in ["weight+bias", "none"]
+    ],
+    ((130, 2500), "weight+bias", torch.float16, 3.0),
+    # the backward's schedules (_BackwardPlan): three tiles in flight with several chunk groups, and the
+    # lean one-tile schedule with dy streamed
+    ((300, 6000), "weight+bias", torch.bfloat16, 3.0),
+    ((130, 8192), "weight+bias", torch.float32, None),
+]
+
+
+@pytest.mark.parametrize("shape, affine, dtype, tol", GRADIENT_CASES, ids=str)
 def test_gradients(shape, affine, dtype, tol):
     x, w, b = _inputs(shape, dtype, affine, seed=1)
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -133,33 +150,46 @@ def test_nan_and_inf_propagate_like_the_reference():
 
 
 @pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_largest_hidden_size_fits_sbuf_forward_and_backward(target, dtype):
-    """One row tile at the limit, capacity checks on: the backward switches to its lean plan there."""
-    hidden = max_hidden(dtype)
+@pytest.mark.parametrize("dtypes", [("bfloat16",) * 3, ("bfloat16", "float32", "float32"), ("float32",) * 3], ids=str)
+def test_the_largest_hidden_size_fits_sbuf_forward_and_backward(target, dtypes):
+    """One row tile at the largest size the op accepts for these dtypes (on every target), capacity
+    checks on: forward and backward (its lean schedule there) run and match torch."""
+    hidden = max_hidden(*dtypes)
     rng = np.random.default_rng(0)
-    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-    x, w, b = (rng.standard_normal(shape).astype(np_dtype) for shape in ((3, hidden), (hidden,), (hidden,)))
-    out, mean, rstd = sim.run(kernels.layernorm_fwd, x, w, b, EPS, target=target).outputs
-    dy = rng.standard_normal((3, hidden)).astype(np_dtype)
-    dx, dw, db = sim.run(kernels.layernorm_bwd, dy, x, w, mean, rstd, target=target).outputs
-    want = layer_norm_reference(
-        torch.from_numpy(x.astype(np.float32)),
-        torch.from_numpy(w.astype(np.float32)),
-        torch.from_numpy(b.astype(np.float32)),
-        EPS,
+    x, w, b = (
+        rng.standard_normal(shape).astype(_np(d)) for shape, d in zip(((3, hidden), (hidden,), (hidden,)), dtypes)
     )
-    assert np.abs(out.astype(np.float32) - want.numpy()).max() < 0.05
-    np.testing.assert_allclose(db, dy.astype(np.float32).sum(axis=0), rtol=1e-5, atol=1e-5)
+    dy = rng.standard_normal((3, hidden)).astype(_np(dtypes[0]))
+    out, mean, rstd = sim.run(kernels.layernorm_fwd, x, w, b, EPS, target=target).outputs
+    dx, dw, db = sim.run(kernels.layernorm_bwd, dy, x, w, mean, rstd, target=target).outputs
+    leaves = [torch.from_numpy(t.astype(np.float32)).requires_grad_() for t in (x, w, b)]
+    want = layer_norm_reference(*leaves, EPS)
+    want.backward(torch.from_numpy(dy.astype(np.float32)))
+    tolerance = 0.05 if dtypes[0] == "bfloat16" else 1e-4
+    assert np.abs(out.astype(np.float32) - want.detach().numpy()).max() < tolerance
+    for got, leaf, scale in ((dx, leaves[0], 1), (dw, leaves[1], 3), (db, leaves[2], 3)):
+        assert np.abs(got.astype(np.float32) - leaf.grad.numpy()).max() < tolerance * scale
 
 
-def test_past_the_largest_hidden_size_the_backward_names_the_sbuf_it_needs():
-    hidden = MAX_HIDDEN * 2
-    x = np.zeros((1, hidden), np.float32)
-    with pytest.raises(ValueError, match=f"hidden size {hidden} is outside the supported range 1..8192"):
+def _np(dtype):
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+
+
+def test_past_the_largest_hidden_size_the_kernels_name_the_limit():
+    x = np.zeros((1, MAX_HIDDEN + 1), np.float32)
+    with pytest.raises(
+        ValueError, match=f"hidden size {MAX_HIDDEN + 1} is outside the supported range 1..{MAX_HIDDEN}"
+    ):
         sim.run(kernels.layernorm_fwd, x, None, None, EPS)
     with pytest.raises(ValueError, match=r"needs [\d,]+ bytes of SBUF per partition in the backward"):
         kernels._BackwardPlan(40000, "bfloat16", "bfloat16", "bfloat16")
+    assert max_hidden("float32", "float32", "float32") < max_hidden("bfloat16", "bfloat16", "bfloat16") == MAX_HIDDEN
+
+
+def test_bn_stats_never_gets_a_one_element_piece():
+    for hidden in (2, 513, 1025, 4097, 512):
+        pieces = [c for _, c in kernels._bn_pieces(hidden)]
+        assert sum(pieces) == hidden and min(pieces) >= 2, (hidden, pieces)
 
 
 @pytest.mark.parametrize(
@@ -175,9 +205,12 @@ def test_past_the_largest_hidden_size_the_backward_names_the_sbuf_it_needs():
         (lambda: (torch.ones(128, 4).t(), None, None), "not contiguous"),
         (
             lambda: (torch.ones(2, MAX_HIDDEN + 2, dtype=torch.bfloat16), None, None),
-            f"hidden size {MAX_HIDDEN + 2} is outside the supported range 1..{MAX_HIDDEN} for torch.bfloat16",
+            f"hidden size {MAX_HIDDEN + 2} is outside the supported range 1..{MAX_HIDDEN} for x torch.bfloat16",
         ),
-        (lambda: (torch.ones(2, 9000), None, None), "outside the supported range 1..8192 for torch.float32"),
+        (
+            lambda: (torch.ones(2, 12000), torch.ones(12000), torch.ones(12000)),
+            r"outside the supported range 1..10240 for x torch.float32, weight torch.float32, bias torch.float32",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_error(make, match):

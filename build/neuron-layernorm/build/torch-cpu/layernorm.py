@@ -12,12 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._backend import check_float_tensor, define_op, nki_source, op_namespace, run_kernel
+from ._backend import check_float_tensor, define_op, dtype_name, nki_source, op_namespace, run_kernel
 
 _kernels = nki_source(__package__, "layernorm")
 MIN_HIDDEN, MAX_HIDDEN = _kernels.MIN_HIDDEN, _kernels.MAX_HIDDEN
 max_hidden = _kernels.max_hidden
 _NS = op_namespace(__name__)
+
+
+def hidden_limit(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> int:
+    """The largest hidden size the kernels take with these tensors' dtypes, on every Trainium target."""
+    return max_hidden(*(None if t is None else dtype_name(t.dtype) for t in (x, weight, bias)))
 
 
 def validate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
@@ -26,10 +31,12 @@ def validate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     if x.dim() < 1 or x.numel() == 0:
         raise ValueError(f"layer_norm: x of shape {tuple(x.shape)} is empty")
     hidden = x.shape[-1]
-    limit = max_hidden(str(x.dtype).removeprefix("torch."))
+    limit = hidden_limit(x, weight, bias)
     if not MIN_HIDDEN <= hidden <= limit:
+        dtypes = ", ".join(f"{n} {t.dtype}" for n, t in (("x", x), ("weight", weight), ("bias", bias)) if t is not None)
         raise ValueError(
-            f"layer_norm: hidden size {hidden} is outside the supported range {MIN_HIDDEN}..{limit} for {x.dtype}"
+            f"layer_norm: hidden size {hidden} is outside the supported range {MIN_HIDDEN}..{limit} for {dtypes} "
+            "(what the kernels hold in SBUF on every Trainium target)"
         )
     for name, vector in (("weight", weight), ("bias", bias)):
         if vector is None:
@@ -113,4 +120,4 @@ def layer_norm_reference(
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-__all__ = ["layer_norm", "layer_norm_reference", "layernorm_bwd", "layernorm_fwd"]
+__all__ = ["hidden_limit", "layer_norm", "layer_norm_reference", "layernorm_bwd", "layernorm_fwd"]

@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from ._backend import SUPPORTED_FLOAT_DTYPES, is_dtensor, own_forward
-from .layernorm import MIN_HIDDEN, layer_norm, max_hidden
+from .layernorm import MAX_HIDDEN, MIN_HIDDEN, hidden_limit, layer_norm
 
 # Each layer: the module attribute holding epsilon, and whether the module has a bias attribute.
 _LAYERS = {"LayerNorm": ("eps", True), "CohereLayerNorm": ("variance_epsilon", False)}
 LIMITS = (
     f"torch.nn.LayerNorm over the last dim (with or without weight and bias), or Cohere's LayerNorm with a 1-D "
-    f"weight; hidden size {MIN_HIDDEN}..{max_hidden('bfloat16')} for 2-byte inputs, ..{max_hidden('float32')} for "
-    "float32; float32, bfloat16 or float16 input, weight and bias"
+    f"weight; hidden size {MIN_HIDDEN}..{MAX_HIDDEN}, less where fp32 rows, weight and bias together need more "
+    "SBUF than the smallest Trainium target has; float32, bfloat16 or float16 input, weight and bias, contiguous"
 )
 
 
@@ -68,18 +68,20 @@ def unsupported_reasons(layer: str, module: nn.Module, x: torch.Tensor | None = 
             reasons.append(f"{attribute} is not a tensor of shape ({hidden},)")
         else:
             reasons += _tensor_reasons(attribute, vector)
+            if not vector.is_contiguous():
+                reasons.append(f"{attribute} is not contiguous")
     if x is not None:
         reasons += _tensor_reasons("the input", x)
         if x.numel() == 0:
             reasons.append(f"the input of shape {tuple(x.shape)} is empty")
         elif x.shape[-1] != hidden:
             reasons.append(f"the input's last dim {x.shape[-1]} differs from the hidden size {hidden}")
-        elif x.dtype in SUPPORTED_FLOAT_DTYPES:
-            limit = max_hidden(str(x.dtype).removeprefix("torch."))
-            if not MIN_HIDDEN <= hidden <= limit:
-                reasons.append(f"hidden size {hidden} is outside the kernel's {MIN_HIDDEN}..{limit} for {x.dtype}")
-    elif not MIN_HIDDEN <= hidden <= max_hidden("bfloat16"):
-        reasons.append(f"hidden size {hidden} is outside the kernel's {MIN_HIDDEN}..{max_hidden('bfloat16')}")
+        elif not reasons:
+            limit = hidden_limit(x, _vector(module, "weight"), _vector(module, "bias"))
+            if hidden > limit:
+                reasons.append(f"hidden size {hidden} is above the kernel's {limit} for these dtypes")
+    elif hidden > MAX_HIDDEN:
+        reasons.append(f"hidden size {hidden} is above the kernel's {MAX_HIDDEN}")
     return reasons
 
 
