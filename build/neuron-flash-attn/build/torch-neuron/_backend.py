@@ -89,6 +89,16 @@ def is_dtensor(tensor: Any) -> TypeGuard[DTensor]:
     return isinstance(tensor, DTensor)
 
 
+def tensor_reasons(name: str, tensor: torch.Tensor) -> list[str]:
+    """Why a layer cannot hand ``tensor`` (a module's weight, or its input) to a kernel: a DTensor, or a
+    dtype the kernels do not take; empty when it can."""
+    if is_dtensor(tensor):
+        return [f"{name} is a DTensor (sharded or replicated across ranks)"]
+    if tensor.dtype not in SUPPORTED_FLOAT_DTYPES:
+        return [f"{name} has dtype {tensor.dtype} (the kernel takes float32, bfloat16, float16)"]
+    return []
+
+
 FALLBACK_ATTRIBUTE = "kernels_neuron_fallback"  # why a swapped module last ran its own forward
 _warned: set[tuple[str, str]] = set()
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._backend import SUPPORTED_FLOAT_DTYPES, is_dtensor, own_forward
+from ._backend import own_forward, tensor_reasons
 from .layernorm import MAX_HIDDEN, MIN_HIDDEN, hidden_limit, layer_norm
 
 # Each layer: the module attribute holding epsilon, and whether the module has a bias attribute.
@@ -24,14 +24,6 @@ LIMITS = (
     f"weight; hidden size {MIN_HIDDEN}..{MAX_HIDDEN}, less where fp32 rows, weight and bias together need more "
     "SBUF than the smallest Trainium target has; float32, bfloat16 or float16 input, weight and bias, contiguous"
 )
-
-
-def _tensor_reasons(name: str, tensor: torch.Tensor) -> list[str]:
-    if is_dtensor(tensor):
-        return [f"{name} is a DTensor (sharded or replicated across ranks)"]
-    if tensor.dtype not in SUPPORTED_FLOAT_DTYPES:
-        return [f"{name} has dtype {tensor.dtype} (the kernel takes float32, bfloat16, float16)"]
-    return []
 
 
 def _hidden_size(layer: str, module: nn.Module) -> tuple[int | None, list[str]]:
@@ -67,11 +59,11 @@ def unsupported_reasons(layer: str, module: nn.Module, x: torch.Tensor | None = 
         if not isinstance(vector, torch.Tensor) or tuple(vector.shape) != (hidden,):
             reasons.append(f"{attribute} is not a tensor of shape ({hidden},)")
         else:
-            reasons += _tensor_reasons(attribute, vector)
+            reasons += tensor_reasons(attribute, vector)
             if not vector.is_contiguous():
                 reasons.append(f"{attribute} is not contiguous")
     if x is not None:
-        reasons += _tensor_reasons("the input", x)
+        reasons += tensor_reasons("the input", x)
         if x.numel() == 0:
             reasons.append(f"the input of shape {tuple(x.shape)} is empty")
         elif x.shape[-1] != hidden:

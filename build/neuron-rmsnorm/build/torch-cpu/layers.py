@@ -14,7 +14,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from ._backend import SUPPORTED_FLOAT_DTYPES, is_dtensor, own_forward
+from ._backend import own_forward, tensor_reasons
 from .rmsnorm import MAX_HIDDEN, MIN_HIDDEN, rms_norm
 
 # Each layer: the module attribute holding epsilon and the rms_norm convention it computes.
@@ -27,14 +27,6 @@ LIMITS = (
     f"a 1-D weight of hidden size {MIN_HIDDEN}..{MAX_HIDDEN}; float32, bfloat16 or float16 input and weight; "
     "the epsilon attribute the layer reads"
 )
-
-
-def _tensor_reasons(name: str, tensor: torch.Tensor) -> list[str]:
-    if is_dtensor(tensor):
-        return [f"{name} is a DTensor (sharded or replicated across ranks)"]
-    if tensor.dtype not in SUPPORTED_FLOAT_DTYPES:
-        return [f"{name} has dtype {tensor.dtype} (the kernel takes float32, bfloat16, float16)"]
-    return []
 
 
 def unsupported_reasons(layer: str, module: nn.Module, x: torch.Tensor | None = None) -> list[str]:
@@ -50,9 +42,9 @@ def unsupported_reasons(layer: str, module: nn.Module, x: torch.Tensor | None = 
     hidden = weight.shape[0]
     if not MIN_HIDDEN <= hidden <= MAX_HIDDEN:
         reasons.append(f"hidden size {hidden} is outside the kernel's {MIN_HIDDEN}..{MAX_HIDDEN}")
-    reasons += _tensor_reasons("weight", weight)
+    reasons += tensor_reasons("weight", weight)
     if x is not None:
-        reasons += _tensor_reasons("the input", x)
+        reasons += tensor_reasons("the input", x)
         if x.numel() == 0:
             reasons.append(f"the input of shape {tuple(x.shape)} is empty")
         elif x.shape[-1] != hidden:
