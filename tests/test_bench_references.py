@@ -13,7 +13,7 @@ from kernels_neuron import bench, sim
 from kernels_neuron.bench import suite
 from kernels_neuron.bench.calibration import basic_tiled, blocked_free, fully_optimized
 from kernels_neuron.sim.examples import tiled_matmul
-from nki_src.mlp import mlp_fwd
+from nki_src.mlp import mlp_fwd, plain_mlp_fwd
 
 # Relative error (Frobenius norm) between the kernel's bf16 result and the torch reference's own
 # bf16 result: both round differently, a few bf16 ulps (2**-8) at most; a reference that computes
@@ -47,6 +47,11 @@ SMALL = [
     suite.mlp_case("mlp-fwd/gelu", "Gemma-2-9B", 100, 192, 320, activation="gelu_tanh"),
     suite.mlp_case("mlp-bwd/silu", "Llama-3-8B", 100, 192, 320, backward=True),
     suite.mlp_case("mlp-bwd/gelu", "Gemma-2-9B", 100, 192, 320, activation="gelu_tanh", backward=True),
+    suite.plain_mlp_case("plain-mlp-fwd/gelu_tanh", "Starcoder2-7B", "Starcoder2MLP", 100, 192, 320, "gelu_tanh"),
+    suite.plain_mlp_case(
+        "plain-mlp-bwd/gelu_tanh", "Starcoder2-7B", "Starcoder2MLP", 100, 192, 320, "gelu_tanh", backward=True
+    ),
+    suite.plain_mlp_case("plain-mlp-fwd/gelu", "Pythia-6.9B", "GPTNeoXMLP", 100, 192, 320, "gelu"),
 ]
 
 
@@ -58,6 +63,12 @@ def _inputs(case):
         dy, x, w_gate, w_up, w_down, _ = inputs
         _, saved = sim.run(mlp_fwd, x, w_gate, w_up, w_down, case.kwargs["activation"], True).outputs
         inputs = (dy, x, w_gate, w_up, w_down, saved)
+    if case.kernel is suite.plain_mlp_bwd:
+        # Likewise, from a forward with the zero biases the reference's autograd runs with.
+        dy, x, w_up, w_down, _ = inputs
+        zeros = (np.zeros(w_up.shape[0], x.dtype), np.zeros(w_down.shape[0], x.dtype))
+        _, saved = sim.run(plain_mlp_fwd, x, w_up, w_down, *zeros, case.kwargs["activation"], True).outputs
+        inputs = (dy, x, w_up, w_down, saved)
     return inputs
 
 

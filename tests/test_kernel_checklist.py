@@ -73,11 +73,15 @@ def missing_pieces(repo: Repo, reg: registry.Registry) -> list[str]:
             ]
         else:
             plugin = importlib.import_module(f"kernels_neuron.ops.{family}_layers")
+            limits = getattr(plugin, "LIMITS", None)
+            kernel_layers = {layer.kernel_layer for layer in reg.layers if layer.repo == repo.name}
             if not (
                 callable(getattr(plugin, "unsupported_reasons", None))
-                and isinstance(getattr(plugin, "LIMITS", None), str)
+                and (isinstance(limits, str) or (isinstance(limits, dict) and kernel_layers <= set(limits)))
             ):
-                missing.append(f"kernels_neuron/ops/{family}_layers.py: unsupported_reasons and LIMITS")
+                missing.append(
+                    f"kernels_neuron/ops/{family}_layers.py: unsupported_reasons and LIMITS (one text or one per layer)"
+                )
             missing += [
                 f"kernels_neuron/ops/{family}_layers.py: class {layer.kernel_layer}"
                 for layer in reg.layers

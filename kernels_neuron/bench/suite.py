@@ -26,12 +26,13 @@ sim.install()  # the kernels import ``nki``: real NKI on a Trainium host, else t
 from kernels_neuron.sim.examples import tiled_matmul  # noqa: E402
 from nki_src.attention import flash_attn_bwd, flash_attn_fwd  # noqa: E402
 from nki_src.layernorm import layernorm_bwd, layernorm_fwd  # noqa: E402
-from nki_src.mlp import mlp_bwd, mlp_fwd, saved_shape  # noqa: E402
+from nki_src.mlp import mlp_bwd, mlp_fwd, plain_mlp_bwd, plain_mlp_fwd, saved_shape  # noqa: E402
 from nki_src.rmsnorm import rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
 
 from ..ops.attention import attention_reference  # noqa: E402
 from ..ops.layernorm import layer_norm_reference  # noqa: E402
 from ..ops.mlp import gated_mlp_reference  # noqa: E402
+from ..ops.plain_mlp import plain_mlp_reference  # noqa: E402
 from ..ops.rmsnorm import rms_norm_reference  # noqa: E402
 from .calibration import basic_tiled, blocked_free, fully_optimized, operands  # noqa: E402
 from .case import Case  # noqa: E402
@@ -331,6 +332,59 @@ def mlp_case(
     )
 
 
+def _plain_mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+
+    def draw(*shape, scale=1.0):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
+
+    x = draw(tokens, hidden)
+    weights = (draw(inter, hidden, scale=hidden**-0.5), draw(hidden, inter, scale=inter**-0.5))
+    if not backward:
+        return (x,) + weights + (draw(inter, scale=0.1), draw(hidden, scale=0.1))
+    return (draw(tokens, hidden), x) + weights + (draw(*saved_shape(tokens, inter, 1)),)
+
+
+def _plain_mlp_forward(x, w_up, w_down, b_up, b_down, activation, save_up):
+    """The transformers module's forward (``plain_mlp_reference``: Starcoder2MLP, GPTNeoXMLP ...)."""
+    return partial(plain_mlp_reference, x, w_up, w_down, b_up, b_down, activation)
+
+
+def _plain_mlp_backward(dy, x, w_up, w_down, saved, activation, with_bias):
+    """Autograd through the module's forward against ``dy``: (dx, dw_up, dw_down[, db_up, db_down]), the
+    kernel's order, with the biases at zero. The backward kernel reads no bias (the saved up
+    projection carries it), so the bias values do not change what it computes; the comparison in the
+    tests gives it a ``saved`` from a zero-bias forward."""
+    biases = (torch.zeros(w_up.shape[0], dtype=x.dtype), torch.zeros(w_down.shape[0], dtype=x.dtype))
+
+    def forward(x, w_up, w_down, *biases):
+        return plain_mlp_reference(x, w_up, w_down, *(biases or (None, None)), activation)
+
+    return autograd_backward(forward, dy, (x, w_up, w_down) + (biases if with_bias else ()))
+
+
+def plain_mlp_case(
+    name: str, model: str, module: str, tokens: int, hidden: int, inter: int, activation: str, backward: bool = False
+) -> Case:
+    """The fused plain MLP with biases, simulated at the full shape. FLOPs the standard way: the two
+    projections, 2*T*H*I each (4*T*H*I), and twice that for the backward; the TensorE transposes and
+    the bias sums are not counted."""
+    return Case(
+        name=name,
+        kernel=plain_mlp_bwd if backward else plain_mlp_fwd,
+        make_inputs=partial(_plain_mlp_inputs, tokens, hidden, inter, backward),
+        shape={"tokens": tokens, "hidden": hidden, "intermediate": inter},
+        dtype="bfloat16",
+        model=model,
+        reference_name=f"{module} {'backward (autograd)' if backward else 'forward'} (torch)",
+        prepare_reference=_plain_mlp_backward if backward else _plain_mlp_forward,
+        kwargs={"activation": activation, "with_bias": True}
+        if backward
+        else {"activation": activation, "save_up": False},
+        standard_flops=(8 if backward else 4) * tokens * hidden * inter,
+    )
+
+
 CASES: list[Case] = [
     mlp_case("mlp-fwd/llama3-8b/2048-tokens", "Llama-3-8B", PREFILL_TOKENS, 4096, 14336),
     mlp_case("mlp-bwd/llama3-8b/2048-tokens", "Llama-3-8B", PREFILL_TOKENS, 4096, 14336, backward=True),
@@ -345,6 +399,31 @@ CASES: list[Case] = [
         14336,
         activation="gelu_tanh",
         backward=True,
+    ),
+    plain_mlp_case(
+        "plain-mlp-fwd/starcoder2-7b/2048-tokens",
+        "Starcoder2-7B",
+        "Starcoder2MLP",
+        PREFILL_TOKENS,
+        4608,
+        18432,
+        "gelu_tanh",
+    ),
+    plain_mlp_case(
+        "plain-mlp-bwd/starcoder2-7b/2048-tokens",
+        "Starcoder2-7B",
+        "Starcoder2MLP",
+        PREFILL_TOKENS,
+        4608,
+        18432,
+        "gelu_tanh",
+        backward=True,
+    ),
+    plain_mlp_case(
+        "plain-mlp-fwd/starcoder2-7b/decode-8", "Starcoder2-7B", "Starcoder2MLP", 8, 4608, 18432, "gelu_tanh"
+    ),
+    plain_mlp_case(
+        "plain-mlp-fwd/pythia-6.9b/2048-tokens", "Pythia-6.9B", "GPTNeoXMLP", PREFILL_TOKENS, 4096, 16384, "gelu"
     ),
     attention_case("attention-fwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096),
     attention_case("attention-fwd/llama3-8b/causal-8192", "Llama-3-8B", 8192, 8192),

@@ -42,5 +42,7 @@ def layers_module(reg: Registry, layer: Layer) -> types.ModuleType:
 
 
 def layer_limits(reg: Registry, layer: Layer) -> str:
-    """What a module must be for ``layer``'s kernel to serve it, in words (``kernels-neuron list``, cards)."""
-    return layers_module(reg, layer).LIMITS
+    """What a module must be for ``layer``'s kernel to serve it, in words (``kernels-neuron list``, cards):
+    the plug-in's ``LIMITS``, one text for all its layers or a text per kernel layer."""
+    limits = layers_module(reg, layer).LIMITS
+    return limits if isinstance(limits, str) else limits[layer.kernel_layer]

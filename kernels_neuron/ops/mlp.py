@@ -44,21 +44,22 @@ max_hidden = _kernels.max_hidden
 _NS = op_namespace(__name__)
 _OP = "gated_mlp"
 
-# transformers' activation classes (module transformers.activations) by what the kernel computes.
-# GELUTanh (both its C and Python paths), NewGELU and FastGELU are the same tanh formula.
+# transformers' activation classes (module transformers.activations) by what the kernels compute.
+# GELUTanh (both its C and Python paths), NewGELU and FastGELU are the same tanh formula; GELUActivation
+# is the exact (erf) GELU, through torch's or its own Python formula.
 _TRANSFORMERS_ACTIVATIONS = {
     "SiLUActivation": "silu",
     "GELUTanh": "gelu_tanh",
     "PytorchGELUTanh": "gelu_tanh",
     "NewGELUActivation": "gelu_tanh",
     "FastGELUActivation": "gelu_tanh",
+    "GELUActivation": "gelu",
 }
-_EXACT_GELU = {"GELUActivation", "AccurateGELUActivation", "QuickGELUActivation", "ClippedGELUActivation"}
+_DESCRIPTIONS = {"silu": "SiLU", "gelu_tanh": "tanh-approximated GELU", "gelu": "exact erf GELU", "relu": "ReLU"}
 
 
-def activation_kind(act: object) -> str | None:
-    """The kernel's name for an MLP's activation module ("silu", "gelu_tanh"), or None when the
-    kernel does not implement it (exact erf GELU, ReLU, ...). Matches classes exactly, so a
+def _activation_name(act: object) -> str | None:
+    """What ``act`` computes, as a kernel activation name, or None. Matches classes exactly, so a
     subclass that changes the function is never taken for its parent."""
     cls = type(act)
     if cls.__module__ == "transformers.activations" and cls.__name__ in _TRANSFORMERS_ACTIVATIONS:
@@ -66,15 +67,27 @@ def activation_kind(act: object) -> str | None:
     if cls is nn.SiLU or act is F.silu:
         return "silu"
     if cls is nn.GELU and isinstance(act, nn.GELU):
-        return "gelu_tanh" if act.approximate == "tanh" else None
-    return None
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if cls is nn.ReLU or act is F.relu:
+        return "relu"
+    return "gelu" if act is F.gelu else None
 
 
-def describe_activation(act: object) -> str:
+def activation_kind(act: object, supported: Sequence[str] = ACTIVATIONS) -> str | None:
+    """The kernel's name for an MLP's activation module ("silu", "gelu_tanh", "gelu", "relu") when it is
+    one of ``supported`` (the gated kernel's by default), else None (an activation no kernel
+    implements, such as QuickGELU, or one this kernel does not, such as exact GELU in a gated MLP)."""
+    kind = _activation_name(act)
+    return kind if kind in supported else None
+
+
+def describe_activation(act: object, supported: Sequence[str] = ACTIVATIONS) -> str:
     """Why an activation is refused, for kernelize's report."""
     name = getattr(act, "__name__", None) or type(act).__name__
-    detail = " (exact erf GELU)" if name in _EXACT_GELU or (type(act) is nn.GELU) else ""
-    return f"activation {name}{detail} is not one the kernel implements (SiLU, tanh-approximated GELU)"
+    kind = _activation_name(act)
+    detail = f" ({_DESCRIPTIONS[kind]})" if kind is not None and _DESCRIPTIONS[kind] != name else ""
+    implemented = ", ".join(_DESCRIPTIONS[k] for k in supported)
+    return f"activation {name}{detail} is not one the kernel implements ({implemented})"
 
 
 def _check_shapes(

@@ -1,7 +1,9 @@
-"""Hub layers that replace transformers' gated MLP forwards (SwiGLU / GeGLU). Stateless: they
-borrow the replaced module's projections and activation, and keep the signature of the forward
-they replace. The activation is read from the module itself (``act_fn``, else ``activation_fn``),
-so one layer serves SiLU models (Llama, Qwen, Mistral ...) and tanh-GELU ones (Gemma).
+"""Hub layers that replace transformers' MLP forwards: gated (SwiGLU / GeGLU) and plain
+(``down(act(up(x)))``). Stateless: they borrow the replaced module's projections and activation,
+and keep the signature of the forward they replace. The activation is read from the module itself
+(``act_fn``, else ``activation_fn``), so one layer serves SiLU models (Llama, Qwen, Mistral ...) and
+tanh-GELU ones (Gemma); the plain layer reads the attributes its class's forward uses
+(``mlp_structure.plain_mlp_form``): Starcoder2, GPT-NeoX, Falcon, GPT-2 and Phi MLPs.
 
 The fused kernel reads the projections' weights instead of calling them, so every call first
 checks that each projection still is something whose weight says what it computes
@@ -19,6 +21,11 @@ checks that each projection still is something whose weight says what it compute
 Anything else (a quantized linear, another PEFT tuner, a forward hook, a dtype or size past the
 kernel's limits, ``model.float()`` pushing the hidden size past the fp32 limit) makes the module
 run its own forward for that call, with the reason kept on the module and warned about once.
+
+The plain layer takes projections that are ``nn.Linear``, Falcon's ``FalconLinear`` (the same math)
+or transformers' ``Conv1D`` (GPT-2: the weight stored [in, out], copied transposed on each call), with
+both biases or neither; PEFT adapters and tensor-parallel shards fall back to the module's forward.
+The dropout Starcoder2 and GPT-2 apply to the MLP's output runs after the kernel, as theirs does.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from torch import nn
 
 from ._backend import SUPPORTED_FLOAT_DTYPES, autocast_dtype, dtype_name, is_dtensor, own_forward
 from .mlp import MAX_INTERMEDIATE, LowRankUpdate, activation_kind, describe_activation, gated_mlp, max_hidden
-from .mlp_structure import STRUCTURES, gated_mlp_form
+from .mlp_structure import STRUCTURES, PlainMLPForm, gated_mlp_form, plain_mlp_form
+from .plain_mlp import PLAIN_ACTIVATIONS, plain_mlp
 
 # Each layer: the structure its module's forward must have (mlp_structure), and its projections in the
 # order of gated_mlp's weights (None: the fused gate_up has no up).
@@ -42,17 +50,30 @@ _PROJECTIONS: dict[str, tuple[str, str | None, str]] = {
     "GatedMLPFusedGateUp": ("gate_up_proj", None, "down_proj"),
 }
 _ACTIVATIONS = ("act_fn", "activation_fn")
-LIMITS = (
-    f"a forward computing down(act(gate(x)) * up(x)) (read from its source); projections without bias: "
-    f"plain nn.Linear, PEFT LoRA over one, or tensor-parallel shards; hidden size up to {max_hidden('bfloat16')} "
-    f"(bf16/fp16) or {max_hidden('float32')} (fp32) in the compute dtype; intermediate size up to "
-    f"{MAX_INTERMEDIATE}; SiLU or tanh-GELU activation"
+_SIZES = (
+    f"hidden size up to {max_hidden('bfloat16')} (bf16/fp16) or {max_hidden('float32')} (fp32) in the compute "
+    f"dtype; intermediate size up to {MAX_INTERMEDIATE}"
 )
+_GATED_LIMITS = (
+    f"a forward computing down(act(gate(x)) * up(x)) (read from its source); projections without bias: "
+    f"plain nn.Linear, PEFT LoRA over one, or tensor-parallel shards; {_SIZES}; SiLU or tanh-GELU activation"
+)
+LIMITS = {
+    "GatedMLP": _GATED_LIMITS,
+    "GatedMLPFusedGateUp": _GATED_LIMITS,
+    "PlainMLP": (
+        "a forward computing down(act(up(x))), optionally followed by dropout (read from its source); "
+        "projections nn.Linear, FalconLinear or Conv1D (GPT-2), both with a bias or neither, no PEFT adapters "
+        f"or tensor-parallel shards; {_SIZES}; exact GELU, tanh-GELU, ReLU or SiLU activation"
+    ),
+}
 
 
 def computes(layer: str, cls: type) -> bool:
     """Whether ``cls.forward`` computes what ``layer`` computes (kernelize takes any ``*MLP`` class that
     does, beside the classes the registry names)."""
+    if layer == "PlainMLP":
+        return plain_mlp_form(cls) is not None
     form = gated_mlp_form(cls)
     return form is not None and form[0] == _STRUCTURE[layer]
 
@@ -281,8 +302,12 @@ def _tensor_parallel_mesh(
     return meshes.pop(), []
 
 
-def _limits(name: str, named_weights: dict[str, torch.Tensor], x: torch.Tensor | None) -> list[str]:
-    """The kernel's dtype and size limits, in the dtype it would compute in for ``x``."""
+def _limits(
+    name: str, named_weights: dict[str, torch.Tensor], x: torch.Tensor | None, copied: frozenset[str] = frozenset()
+) -> list[str]:
+    """The kernel's dtype and size limits, in the dtype it would compute in for ``x``. ``named_weights``
+    in the kernel's layout, the down projection's last; ``copied``: the ones the layer copies (no
+    contiguity needed)."""
     weights = list(named_weights.values())
     dtypes = {w.dtype for w in weights}
     if x is not None and (is_dtensor(x) or x.dtype not in SUPPORTED_FLOAT_DTYPES or x.numel() == 0):
@@ -310,14 +335,14 @@ def _limits(name: str, named_weights: dict[str, torch.Tensor], x: torch.Tensor |
     reasons += [
         f"{name}.{attribute}.weight is not contiguous"
         for attribute, w in named_weights.items()
-        if not w.is_contiguous()
+        if not w.is_contiguous() and attribute not in copied
     ]
     return reasons
 
 
 def unsupported_reasons(layer: str, module: nn.Module, x: torch.Tensor | None = None) -> list[str]:
     """Why ``module`` cannot run ``layer`` (empty when it can); with ``x``, also for that input."""
-    resolved = _resolve(layer, module, x, structure=True)
+    resolved = _resolve_plain(module, x) if layer == "PlainMLP" else _resolve(layer, module, x, structure=True)
     return resolved if isinstance(resolved, list) else []
 
 
@@ -344,6 +369,99 @@ def _forward(layer: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return run(x) if plan.mesh is None else _tensor_parallel(x, plan.mesh, run)
 
 
+class _PlainProjection(NamedTuple):
+    """A plain MLP's projection as the kernel takes it: the weight [out, in] (a Conv1D's stored [in, out],
+    ``transposed``) and the bias or None."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    transposed: bool = False
+
+    def kernel_weight(self) -> torch.Tensor:
+        return self.weight.t().contiguous() if self.transposed else self.weight
+
+
+def _is_class(module: nn.Module, module_name: str, class_name: str) -> bool:
+    cls = type(module)
+    return cls.__module__ == module_name and cls.__name__ == class_name
+
+
+def _plain_projection(module: nn.Module, attribute: str) -> _PlainProjection | str:
+    what = f"{type(module).__name__}.{attribute}"
+    linear = getattr(module, attribute, None)
+    if linear is None:
+        return f"{type(module).__name__} has no {attribute}"
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is not None and isinstance(linear, tuners.BaseTunerLayer):
+        return f"{what} is a PEFT layer ({type(linear).__name__}): the plain MLP kernel merges no adapters"
+    weight = getattr(linear, "weight", None)
+    if is_dtensor(weight):
+        return f"{what}'s weight is a DTensor: the plain MLP kernel takes no sharded weights"
+    hooks = _hooks(linear)
+    if hooks:
+        return f"{what} has {' and '.join(hooks)}, which the fused kernel would bypass"
+    if type(linear) is nn.Linear or _is_class(linear, "transformers.models.falcon.modeling_falcon", "FalconLinear"):
+        return _PlainProjection(linear.weight, linear.bias)
+    if _is_class(linear, "transformers.pytorch_utils", "Conv1D"):
+        return _PlainProjection(linear.weight, linear.bias, transposed=True)
+    return f"{what} is {type(linear).__name__}, not nn.Linear, FalconLinear or Conv1D"
+
+
+class _PlainPlan(NamedTuple):
+    form: PlainMLPForm
+    up: _PlainProjection
+    down: _PlainProjection
+    activation: str
+
+
+def _resolve_plain(module: nn.Module, x: torch.Tensor | None) -> _PlainPlan | list[str]:
+    name = type(module).__name__
+    cls: type = type(module)
+    form = plain_mlp_form(cls)
+    if form is None:
+        return [f"{name}.forward is not the plain MLP the kernel computes (down(act(up(x))), then optionally dropout)"]
+    reasons = []
+    found = []
+    for attribute in (form.up, form.down):
+        projection = _plain_projection(module, attribute)
+        if isinstance(projection, str):
+            reasons.append(projection)
+        else:
+            found.append(projection)
+    act = getattr(module, form.activation, None)
+    kind = activation_kind(act, PLAIN_ACTIVATIONS)
+    if kind is None:
+        reasons.append(f"{name}.{form.activation}: {describe_activation(act, PLAIN_ACTIVATIONS)}")
+    if reasons or kind is None:
+        return reasons
+    up, down = found
+    if (up.bias is None) != (down.bias is None):
+        return [f"{name}: one projection has a bias and the other not (the kernel takes both or neither)"]
+    weights = {f"{form.up}.weight": up.weight, f"{form.down}.weight": down.weight}
+    kernel_layout = {a: (w.t() if p.transposed else w) for (a, w), p in zip(weights.items(), found)}
+    copied = frozenset(a for a, p in zip(weights, found) if p.transposed)
+    reasons = _limits(name, kernel_layout, x, copied)
+    for attribute, projection in ((form.up, up), (form.down, down)):
+        if projection.bias is not None and projection.bias.dtype != up.weight.dtype:
+            reasons.append(f"{name}.{attribute}.bias has dtype {projection.bias.dtype}, its weight {up.weight.dtype}")
+        if projection.bias is not None and not projection.bias.is_contiguous():
+            reasons.append(f"{name}.{attribute}.bias is not contiguous")
+    return reasons or _PlainPlan(form, up, down, kind)
+
+
+def _plain_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    plan = _resolve_plain(module, x)
+    if isinstance(plan, list):
+        return own_forward(module, "; ".join(plan), x)
+    up, down = plan.up, plan.down
+    y = plain_mlp(x, up.kernel_weight(), down.kernel_weight(), up.bias, down.bias, plan.activation)
+    if plan.form.dropout_module is not None:
+        return getattr(module, plan.form.dropout_module)(y)
+    if plan.form.dropout_rate is not None:
+        return nn.functional.dropout(y, p=getattr(module, plan.form.dropout_rate), training=module.training)
+    return y
+
+
 class GatedMLP(nn.Module):
     """``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: LlamaMLP, Qwen2/3MLP, MistralMLP, Olmo2MLP,
     GraniteMLP, GemmaMLP, Gemma2/3MLP and any MLP whose forward is this."""
@@ -365,4 +483,15 @@ class GatedMLPFusedGateUp(nn.Module):
         return _forward("GatedMLPFusedGateUp", self, hidden_states)
 
 
-__all__ = ["GatedMLP", "GatedMLPFusedGateUp"]
+class PlainMLP(nn.Module):
+    """``down(act(up(x)))`` with biases, then the module's dropout if it has one: Starcoder2MLP,
+    GPTNeoXMLP, FalconMLP, GPT2MLP, PhiMLP and any MLP whose forward is this."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return _plain_forward(self, hidden_states)
+
+
+__all__ = ["GatedMLP", "GatedMLPFusedGateUp", "PlainMLP"]

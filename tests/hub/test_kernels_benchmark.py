@@ -27,6 +27,7 @@ REPO_WORKLOADS = {
         "GatedMLPBenchmark.swiglu_prefill",
         "GatedMLPBenchmark.geglu_prefill",
         "GatedMLPBenchmark.swiglu_decode",
+        "PlainMLPBenchmark.gelu_tanh_prefill",
     },
 }
 

@@ -20,5 +20,6 @@ _simulator.install()
 
 from . import layers  # noqa: E402
 from .mlp import gated_mlp, gated_mlp_reference  # noqa: E402
+from .plain_mlp import plain_mlp, plain_mlp_reference  # noqa: E402
 
-__all__ = ['layers', 'gated_mlp', 'gated_mlp_reference']
+__all__ = ['layers', 'gated_mlp', 'gated_mlp_reference', 'plain_mlp', 'plain_mlp_reference']

@@ -1,11 +1,15 @@
-"""Fused gated MLP (SwiGLU / GeGLU) forward and backward for Trainium, in NKI.
+"""Fused MLPs forward and backward for Trainium, in NKI: gated (SwiGLU / GeGLU) and plain.
 
-    y = down(act(gate(x)) * up(x)) = (act(x Wg^T) * (x Wu^T)) Wd^T
+    gated:  y = down(act(gate(x)) * up(x)) = (act(x Wg^T) * (x Wu^T)) Wd^T
+    plain:  y = down(act(up(x)))           = act(x Wu^T + bu) Wd^T + bd
 
 with the weights in the transformers (``nn.Linear``) layout: ``w_gate`` [I, H], ``w_up`` [I, H],
 ``w_down`` [H, I]; or Phi3's fused ``gate_up_proj`` [2I, H] (gate rows first) passed as
-``w_gate`` with ``w_up=None``. ``act`` is ``"silu"`` (SwiGLU: Llama, Qwen, Mistral ...) or
-``"gelu_tanh"`` (GeGLU with the tanh-approximated GELU: Gemma).
+``w_gate`` with ``w_up=None``. The gated ``act`` is ``"silu"`` (SwiGLU: Llama, Qwen, Mistral ...)
+or ``"gelu_tanh"`` (GeGLU with the tanh-approximated GELU: Gemma). The plain MLP (Starcoder2,
+GPT-NeoX, Falcon, GPT-2, Phi-2) takes ``"gelu"`` (exact, erf), ``"gelu_tanh"``, ``"relu"`` or
+``"silu"``, and optionally both biases (``bu`` [I], ``bd`` [H]). Both share one implementation:
+the input projections are a list (gate and up, or up alone) that every phase walks.
 
 Dimensions
     T: tokens, any count >= 1; a ragged last tile is handled everywhere.
@@ -13,9 +17,9 @@ Dimensions
     dtypes, 4096 for fp32: one intermediate tile's transposed gate and up weights, double-buffered,
     must sit in SBUF beside x^T) and 1..MAX_INTERMEDIATE. The last 128-row tile of each may be
     partial: partial tiles are sliced, never padded.
-    Dtypes: x and all weights share one dtype, bfloat16, float16 or float32. Matmuls accumulate
-    in fp32 PSUM; the activation and the gate*up product are computed in fp32 and the product
-    is rounded once, to the input dtype, as the down projection's operand.
+    Dtypes: x, all weights and the biases share one dtype, bfloat16, float16 or float32. Matmuls
+    accumulate in fp32 PSUM; the biases, the activation and the gate*up product are computed in
+    fp32 and the down projection's operand is rounded once, to the input dtype.
 
 Why transposes
     TensorE contracts over the partition dim of both operands. Weights arrive [out, in] row-major,
@@ -59,7 +63,8 @@ SBUF_RESERVE = 16 * 1024  # bytes per partition kept free for small tiles (activ
 MAX_HIDDEN = 8192  # 2-byte dtypes
 MAX_HIDDEN_FP32 = 4096
 MAX_INTERMEDIATE = 65536
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's
+PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 DTYPES = ("bfloat16", "float16", "float32")
 
 GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi)
@@ -72,7 +77,7 @@ def max_hidden(dtype):
 
 
 def _act_op(activation):
-    return nl.silu if activation == "silu" else nl.gelu_apprx_tanh
+    return {"silu": nl.silu, "gelu_tanh": nl.gelu_apprx_tanh, "gelu": nl.gelu, "relu": nl.relu}[activation]
 
 
 def check_shapes(x_shape, gate_shape, up_shape, down_shape, activation, dtypes=None):
@@ -107,22 +112,52 @@ def check_shapes(x_shape, gate_shape, up_shape, down_shape, activation, dtypes=N
                     f"mlp: {name} weight of shape {tuple(shape)} does not match [{inter}, {hidden}] "
                     f"(from down weight {tuple(down_shape)} and x {tuple(x_shape)})"
                 )
+    _check_sizes("mlp", hidden, inter, dtypes)
+
+
+def _check_sizes(kernel, hidden, inter, dtypes):
     if not 1 <= inter <= MAX_INTERMEDIATE:
-        raise ValueError(f"mlp: intermediate size {inter} is outside the supported range 1..{MAX_INTERMEDIATE}")
+        raise ValueError(f"{kernel}: intermediate size {inter} is outside the supported range 1..{MAX_INTERMEDIATE}")
     name = None
     if dtypes is not None:
         names = {dtype_name(d) for d in dtypes}
         if len(names) != 1:
-            raise ValueError(f"mlp: x and the weights must share one dtype, got {sorted(names)}")
+            raise ValueError(f"{kernel}: x, the weights and the biases must share one dtype, got {sorted(names)}")
         (name,) = names
         if name not in DTYPES:
-            raise ValueError(f"mlp: dtype {name} is not supported; use one of {DTYPES}")
+            raise ValueError(f"{kernel}: dtype {name} is not supported; use one of {DTYPES}")
     limit = MAX_HIDDEN if name is None else max_hidden(name)
     if not 1 <= hidden <= limit:
         raise ValueError(
-            f"mlp: hidden size {hidden} is outside the supported range 1..{limit}"
+            f"{kernel}: hidden size {hidden} is outside the supported range 1..{limit}"
             + ("" if name is None else f" for {name}")
         )
+
+
+def check_plain_shapes(x_shape, up_shape, down_shape, up_bias_shape, down_bias_shape, activation, dtypes=None):
+    """Raise ValueError naming the op, the shapes and the limit when the plain MLP kernel cannot take
+    them. The biases (shapes or None) come both or neither."""
+    if activation not in PLAIN_ACTIVATIONS:
+        raise ValueError(f"plain_mlp: activation {activation!r} is not one of {PLAIN_ACTIVATIONS}")
+    if len(x_shape) != 2 or x_shape[0] < 1:
+        raise ValueError(f"plain_mlp: x must be 2-D [tokens >= 1, hidden], got shape {tuple(x_shape)}")
+    hidden = x_shape[1]
+    if len(up_shape) != 2 or up_shape[1] != hidden:
+        raise ValueError(f"plain_mlp: up weight of shape {tuple(up_shape)} does not match x {tuple(x_shape)}")
+    inter = up_shape[0]
+    if tuple(down_shape) != (hidden, inter):
+        raise ValueError(
+            f"plain_mlp: down weight of shape {tuple(down_shape)} does not match [{hidden}, {inter}] "
+            f"(from x {tuple(x_shape)} and up weight {tuple(up_shape)})"
+        )
+    if (up_bias_shape is None) != (down_bias_shape is None):
+        raise ValueError("plain_mlp: the up and down biases come both or neither")
+    if up_bias_shape is not None and (tuple(up_bias_shape) != (inter,) or tuple(down_bias_shape) != (hidden,)):
+        raise ValueError(
+            f"plain_mlp: biases of shapes {tuple(up_bias_shape)} and {tuple(down_bias_shape)} do not match "
+            f"[{inter}] and [{hidden}]"
+        )
+    _check_sizes("plain_mlp", hidden, inter, dtypes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,12 +169,15 @@ class _Evictions(nl.NKIObject):
     def __init__(self):
         self.count = 0
 
-    def evict(self, dst, src):
+    def evict(self, dst, src, column=None):
+        """dst = src, or src + column (an fp32 [rows, 1] per-partition bias) when given."""
         self.count += 1
         if self.count % 2 == 0:
-            nisa.activation(dst=dst, op=nl.copy, data=src)
-        else:
+            nisa.activation(dst=dst, op=nl.copy, data=src, bias=column)
+        elif column is None:
             nisa.tensor_copy(dst=dst, src=src)
+        else:
+            nisa.tensor_scalar(dst=dst, data=src, op0=nl.add, operand0=column)
 
 
 def _group_size(dtype):
@@ -188,20 +226,50 @@ def _load_weight_transposed(weight, r0, rows, cols, dtype, evictions):
     return out
 
 
+def _load_columns(vector, size, dtype):
+    """An fp32 SBUF tile [P, ceil(size/128)] holding ``vector[k*128 + p]`` at [p, k]: a bias laid out
+    per partition, as the transposed activations and outputs need it."""
+    n_tiles = ceil_div(size, P)
+    raw = nl.ndarray((P, n_tiles), dtype, buffer=nl.sbuf)
+    out = nl.ndarray((P, n_tiles), nl.float32, buffer=nl.sbuf)
+    full, rest = size // P, size % P
+    if full:
+        nisa.dma_copy(dst=raw[:, :full], src=vector[: full * P].reshape((full, P)).permute(1, 0))
+        nisa.tensor_copy(dst=out[:, :full], src=raw[:, :full])
+    if rest:
+        nisa.dma_copy(dst=raw[:rest, full : full + 1], src=vector[full * P : size].reshape((rest, 1)))
+        nisa.tensor_copy(dst=out[:rest, full : full + 1], src=raw[:rest, full : full + 1])
+    return out
+
+
+def _store_columns(vector, columns, size, dtype):
+    """``vector[k*128 + p] = columns[p, k]`` (fp32, rounded once to ``dtype``): :func:`_load_columns` reversed."""
+    n_tiles = ceil_div(size, P)
+    rounded = nl.ndarray((P, n_tiles), dtype, buffer=nl.sbuf)
+    full, rest = size // P, size % P
+    if full:
+        nisa.tensor_copy(dst=rounded[:, :full], src=columns[:, :full])
+        nisa.dma_copy(dst=vector[: full * P].reshape((full, P)).permute(1, 0), src=rounded[:, :full])
+    if rest:
+        nisa.tensor_copy(dst=rounded[:rest, full : full + 1], src=columns[:rest, full : full + 1])
+        nisa.dma_copy(dst=vector[full * P : size].reshape((rest, 1)), src=rounded[:rest, full : full + 1])
+
+
 # ---------------------------------------------------------------------------------------------
 # forward
 # ---------------------------------------------------------------------------------------------
-def saved_shape(tokens, inter):
-    """Shape of what the training forward saves: the gate and up projections, before the
-    activation, intermediate-major in blocks of token tiles:
-    ``saved[b, p, k, it, t] = (gate, up)[k][token b*TT + t, intermediate it*128 + p]`` with
+def saved_shape(tokens, inter, projections=2):
+    """Shape of what the training forward saves: the input projections (gate and up, or the plain
+    MLP's up with its bias), before the activation, intermediate-major in blocks of token tiles:
+    ``saved[b, p, k, it, t] = projection k[token b*TT + t, intermediate it*128 + p]`` with
     TT = min(SAVED_TOKEN_TILE, tokens). Partition-major, so the backward reads long contiguous runs."""
     tt = min(SAVED_TOKEN_TILE, tokens)
-    return (ceil_div(tokens, tt), P, 2, ceil_div(inter, P), tt)
+    return (ceil_div(tokens, tt), P, projections, ceil_div(inter, P), tt)
 
 
-def forward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
-    """(token block, intermediate tiles per part) for the forward, from the SBUF budget.
+def forward_plan(tokens, hidden, inter, dtype, sbuf_bytes, projections=2):
+    """(token block, intermediate tiles per part) for the forward, from the SBUF budget
+    (``projections``: input projections per intermediate tile, 2 gated, 1 plain).
 
     A token block's x^T stays resident; its activations a^T are produced one part (a run of
     intermediate tiles) at a time and consumed by the down projection before the next part, so
@@ -211,7 +279,7 @@ def forward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
     size = itemsize(dtype)
     h_tiles, i_tiles = ceil_div(hidden, P), ceil_div(inter, P)
     chunk = min(hidden, WEIGHT_ROW_CHUNK)
-    stage_gate_up = 2 * 2 * (chunk + h_tiles * P) * size  # gate and up, raw and transposed, double-buffered
+    stage_gate_up = projections * 2 * (chunk + h_tiles * P) * size  # each, raw and transposed, double-buffered
     first = min(MAX_TOKEN_BLOCK, tokens)
     # Smaller blocks are powers of two times 128, so token tiles stay aligned to TOKEN_TILE.
     for block in [first] + [b for b in (512, 256, MIN_TOKEN_BLOCK) if b < first]:
@@ -228,41 +296,51 @@ def forward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
 
 
 class _Forward(nl.NKIObject):
-    """What the forward's steps share: the weights, the activation, the output (and saved) buffers, the
-    partial sums of a multi-part intermediate, and the x^T and a^T SBUF buffers that every token block
-    and part reuses (their reuse orders the next block's writes after this block's last reads, as the
-    hardware would need)."""
+    """What the forward's steps share: the input projections' weights (gate and up, or up alone), the
+    down weight, the activation, the biases as fp32 per-partition columns (or None), the output (and
+    saved) buffers, the partial sums of a multi-part intermediate, and the x^T and a^T SBUF buffers that
+    every token block and part reuses (their reuse orders the next block's writes after this block's
+    last reads, as the hardware would need)."""
 
-    def __init__(self, w_gate, w_up, w_down, activation, out, saved, partial, x_t, act_t, evictions):
-        self.w_gate, self.w_up, self.w_down, self.activation = w_gate, w_up, w_down, activation
+    def __init__(self, projections, w_down, activation, out, saved, partial, x_t, act_t, evictions, biases=None):
+        self.projections, self.w_down, self.activation = projections, w_down, activation
         self.out, self.saved, self.partial, self.x_t, self.act_t = out, saved, partial, x_t, act_t
         self.hidden, self.dtype, self.evictions = w_down.shape[0], out.dtype, evictions
+        self.up_bias, self.down_bias = biases if biases is not None else (None, None)
 
-    def gate_up(self, part, t0, t_block):
-        """a^T = act(x Wg^T)^T * (x Wu^T)^T for the part's intermediate tiles, into ``act_t``."""
+    def project(self, part, t0, t_block):
+        """a^T for the part's intermediate tiles, into ``act_t``: act(x Wg^T)^T * (x Wu^T)^T (gated)
+        or act(x Wu^T + bu)^T (plain)."""
         h_tiles = list(tiles(self.hidden, P))
         for j, (i0, isz) in enumerate(part):
-            wg_t = _load_weight_transposed(self.w_gate, i0, isz, self.hidden, self.dtype, self.evictions)
-            wu_t = _load_weight_transposed(self.w_up, i0, isz, self.hidden, self.dtype, self.evictions)
+            weights_t = [
+                _load_weight_transposed(w, i0, isz, self.hidden, self.dtype, self.evictions) for w in self.projections
+            ]
             for tt0, tt in tiles(t_block, TOKEN_TILE):
-                gate = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
-                up = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
-                for k, (_, hsz) in enumerate(h_tiles):
-                    nisa.nc_matmul(dst=gate, stationary=wg_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0 : tt0 + tt])
-                for k, (_, hsz) in enumerate(h_tiles):
-                    nisa.nc_matmul(dst=up, stationary=wu_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0 : tt0 + tt])
-                activated = nl.ndarray((isz, tt), nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=activated, op=_act_op(self.activation), data=gate)
-                nisa.tensor_tensor(dst=self.act_t[:isz, j, tt0 : tt0 + tt], data1=activated, data2=up, op=nl.multiply)
+                sums = []
+                for w_t in weights_t:
+                    acc = nl.ndarray((isz, tt), nl.float32, buffer=nl.psum)
+                    for k, (_, hsz) in enumerate(h_tiles):
+                        nisa.nc_matmul(dst=acc, stationary=w_t[:hsz, k, :isz], moving=self.x_t[:hsz, k, tt0 : tt0 + tt])
+                    sums.append(acc)
+                act_tile = self.act_t[:isz, j, tt0 : tt0 + tt]
+                bias = None if self.up_bias is None else self.up_bias[:isz, i0 // P : i0 // P + 1]
+                if len(sums) == 2:
+                    activated = nl.ndarray((isz, tt), nl.float32, buffer=nl.sbuf)
+                    nisa.activation(dst=activated, op=_act_op(self.activation), data=sums[0])
+                    nisa.tensor_tensor(dst=act_tile, data1=activated, data2=sums[1], op=nl.multiply)
+                else:
+                    nisa.activation(dst=act_tile, op=_act_op(self.activation), data=sums[0], bias=bias)
                 if self.saved is not None:
-                    self._save_gate_up(gate, up, t0 + tt0, tt, i0 // P, isz)
+                    self._save_projections(sums, bias, t0 + tt0, tt, i0 // P, isz)
 
-    def _save_gate_up(self, gate, up, t_start, tt, i_tile, isz):
-        """saved[..., k, i_tile, ...] = gate / up (rounded to the input dtype), split at saved token tiles."""
+    def _save_projections(self, sums, bias, t_start, tt, i_tile, isz):
+        """saved[..., k, i_tile, ...] = projection k (+ the up bias), rounded to the input dtype, split at
+        saved token tiles."""
         width = self.saved.shape[4]
-        for k, src in enumerate((gate, up)):
+        for k, src in enumerate(sums):
             rounded = nl.ndarray((isz, tt), self.dtype, buffer=nl.sbuf)
-            self.evictions.evict(rounded, src)
+            self.evictions.evict(rounded, src, bias)
             for c0, c in tiles(tt, width):
                 block, col = (t_start + c0) // width, (t_start + c0) % width
                 nisa.dma_copy(dst=self.saved[block, :isz, k, i_tile, col : col + c], src=rounded[:, c0 : c0 + c])
@@ -280,7 +358,8 @@ class _Forward(nl.NKIObject):
                 for j, (_, isz) in enumerate(part):
                     nisa.nc_matmul(dst=acc, stationary=wd_t[:isz, j, :hsz], moving=self.act_t[:isz, j, tt0 : tt0 + tt])
                 if first:
-                    self.evictions.evict(y_t[:, tt0 : tt0 + tt], acc)
+                    bias = None if self.down_bias is None else self.down_bias[:hsz, h0 // P : h0 // P + 1]
+                    self.evictions.evict(y_t[:, tt0 : tt0 + tt], acc, bias)
                 else:
                     earlier = nl.ndarray((hsz, tt), nl.float32, buffer=nl.sbuf)
                     nisa.dma_copy(dst=earlier, src=self.partial[h0 : h0 + hsz, tt0 : tt0 + tt])
@@ -345,26 +424,76 @@ def mlp_fwd(x, w_gate, w_up, w_down, activation, save_gate_up):
         activation,
         [dtype, w_gate.dtype, w_down.dtype] + ([] if w_up is None else [w_up.dtype]),
     )
-    tokens, hidden = x.shape
     inter = w_down.shape[1]
     if w_up is None:
         w_gate, w_up = w_gate[:inter, :], w_gate[inter:, :]
+    return _run_forward(x, [w_gate, w_up], w_down, activation, save_gate_up, None)
+
+
+@nki.jit
+def plain_mlp_fwd(x, w_up, w_down, b_up, b_down, activation, save_up):
+    """Fused plain MLP forward: y = act(x Wu^T + bu) Wd^T + bd.
+
+    Args:
+        x: [T, H] input in HBM.
+        w_up: [I, H] up projection weight. w_down: [H, I] down projection weight.
+        b_up: [I] and b_down: [H] biases, or both None.
+        activation: "gelu" (exact), "gelu_tanh", "relu" or "silu".
+        save_up: also return the up projection with its bias (before the activation) for the backward.
+
+    IO shapes:
+        returns y [T, H] (x's dtype) and, with ``save_up``, saved ``saved_shape(T, I, 1)``
+        (x's dtype). Nothing [T, I]-sized is written otherwise.
+
+    Tiling plan
+        :func:`mlp_fwd`'s, with one input projection: per intermediate tile the up weight's rows
+        are read and transposed, u^T accumulates over the hidden tiles in one PSUM bank and ScalarE
+        applies act(u^T + bu) from PSUM straight into a^T (the bias is its per-partition bias
+        operand). The down projection's first eviction adds bd (a per-partition column of y^T).
+        The biases are read once, into fp32 per-partition columns.
+
+    Engine plan
+        TensorE: all transposes and the two projections. ScalarE: the activation and half the
+        PSUM evictions. VectorE: partial-sum adds and half the evictions. DMA: x, weight rows, y.
+    """
+    dtype = x.dtype
+    with_bias = b_up is not None
+    check_plain_shapes(
+        x.shape,
+        w_up.shape,
+        w_down.shape,
+        b_up.shape if with_bias else None,
+        b_down.shape if b_down is not None else None,
+        activation,
+        [dtype, w_up.dtype, w_down.dtype] + ([b_up.dtype, b_down.dtype] if with_bias else []),
+    )
+    inter, hidden = w_up.shape
+    biases = (_load_columns(b_up, inter, dtype), _load_columns(b_down, hidden, dtype)) if with_bias else None
+    return _run_forward(x, [w_up], w_down, activation, save_up, biases)
+
+
+def _run_forward(x, projections, w_down, activation, save, biases):
+    """The forward of both MLPs (module docstring; ``projections``: gate and up, or up alone)."""
+    dtype = x.dtype
+    tokens, hidden = x.shape
+    inter = w_down.shape[1]
     out = nl.ndarray((tokens, hidden), dtype, buffer=nl.shared_hbm)
-    saved = nl.ndarray(saved_shape(tokens, inter), dtype, buffer=nl.shared_hbm) if save_gate_up else None
-    block, part_tiles = forward_plan(tokens, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
+    n_proj = len(projections)
+    saved = nl.ndarray(saved_shape(tokens, inter, n_proj), dtype, buffer=nl.shared_hbm) if save else None
+    block, part_tiles = forward_plan(tokens, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size, n_proj)
     i_tiles = list(tiles(inter, P))
     parts = [i_tiles[k : k + part_tiles] for k in range(0, len(i_tiles), part_tiles)]
     partial = nl.ndarray((hidden, block), nl.float32, buffer=nl.hbm) if len(parts) > 1 else None
     evictions = _Evictions()
     x_t = nl.ndarray((P, ceil_div(hidden, P), block), dtype, buffer=nl.sbuf)
     act_t = nl.ndarray((P, part_tiles, block), dtype, buffer=nl.sbuf)
-    forward = _Forward(w_gate, w_up, w_down, activation, out, saved, partial, x_t, act_t, evictions)
+    forward = _Forward(projections, w_down, activation, out, saved, partial, x_t, act_t, evictions, biases)
     for t0, t_block in tiles(tokens, block):
         _load_transposed_tokens(x_t[:, :, :t_block], x, t0, t_block, hidden, dtype, evictions)
         for n, part in enumerate(parts):
-            forward.gate_up(part, t0, t_block)
+            forward.project(part, t0, t_block)
             forward.down(part, t0, t_block, first=n == 0, last=n == len(parts) - 1)
-    if save_gate_up:
+    if save:
         _zero_saved_padding(saved, tokens, inter, dtype)
         return out, saved
     return out
@@ -374,18 +503,18 @@ def _zero_saved_padding(saved, tokens, inter, dtype):
     """Zero the parts of the saved layout no token or intermediate row maps to (a partial last
     intermediate tile's partitions, a partial last token tile's columns), so the output is
     deterministic. The backward never reads them."""
-    n_blocks, _, _, i_tiles, width = saved.shape
+    n_blocks, _, n_proj, i_tiles, width = saved.shape
     rows = inter - (i_tiles - 1) * P
     used = tokens - (n_blocks - 1) * width
     if rows < P:
-        zeros = nl.ndarray((P - rows, 2, width), dtype, buffer=nl.sbuf)
+        zeros = nl.ndarray((P - rows, n_proj, width), dtype, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
         for b in range(n_blocks):
             cols = width if b < n_blocks - 1 else used  # the last block's unused columns are zeroed below
             nisa.dma_copy(dst=saved[b, rows:, :, i_tiles - 1, :cols], src=zeros[:, :, :cols])
     if used < width:
-        step = max(1, 4096 // (2 * (width - used)))  # intermediate tiles per zero-fill DMA
-        zeros = nl.ndarray((P, 2, step, width - used), dtype, buffer=nl.sbuf)
+        step = max(1, 4096 // (n_proj * (width - used)))  # intermediate tiles per zero-fill DMA
+        zeros = nl.ndarray((P, n_proj, step, width - used), dtype, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
         for it0, n in tiles(i_tiles, step):
             nisa.dma_copy(dst=saved[n_blocks - 1, :, :, it0 : it0 + n, used:], src=zeros[:, :, :n, :])
@@ -403,12 +532,13 @@ GEMM_COLS = 2048  # widest block of output columns of a GEMM (rhs panel columns)
 DX_COLS = 1024  # output columns per block of the dx GEMM (its fp32 partial sums cover all block rows)
 
 
-def _phase1_bytes(hidden, tokens, i_block_tiles, size):
+def _phase1_bytes(hidden, tokens, i_block_tiles, size, projections=2):
     """SBUF per partition of phase 1: two down-weight blocks, double-buffered token-tile operands
     and results, and the fp32 element-wise temporaries."""
     tt = min(SAVED_TOKEN_TILE, tokens)
     cols = i_block_tiles * P
-    streamed = ceil_div(hidden, P) * tt + 2 * 2 * i_block_tiles * tt + 3 * ceil_div(tt, P) * cols + 2 * tt
+    n = projections
+    streamed = ceil_div(hidden, P) * tt + 2 * n * i_block_tiles * tt + (1 + n) * ceil_div(tt, P) * cols + 2 * tt
     return 2 * ceil_div(hidden, P) * cols * size + 2 * streamed * size + 8 * tt * 4
 
 
@@ -443,12 +573,13 @@ class BackwardPlan(nl.NKIObject):
         self.down_rows, self.gate_cols = down_rows, gate_cols
 
 
-def backward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
-    """The ``BackwardPlan`` for the SBUF budget (raises when nothing fits)."""
+def backward_plan(tokens, hidden, inter, dtype, sbuf_bytes, projections=2):
+    """The ``BackwardPlan`` for the SBUF budget (raises when nothing fits); ``projections``: input
+    projections, 2 gated, 1 plain."""
     size = itemsize(dtype)
     budget = sbuf_bytes - SBUF_RESERVE
     ib = min(MAX_I_BLOCK_TILES, ceil_div(inter, P))
-    while ib > 1 and _phase1_bytes(hidden, tokens, ib, size) > budget:
+    while ib > 1 and _phase1_bytes(hidden, tokens, ib, size, projections) > budget:
         ib -= 1
     token_tiles = ceil_div(tokens, P)
     nk = min(TOKEN_K_TILES, token_tiles)
@@ -458,13 +589,13 @@ def backward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
         min(GEMM_ROWS, token_tiles * P),
         min(DX_COLS, hidden),
         size,
-        2 * ceil_div(inter, P) > DX_K_TILES,
+        projections * ceil_div(inter, P) > DX_K_TILES,
         None,
         budget,
     )
     down = _fit_gemm(nk, min(GEMM_ROWS, ceil_div(hidden, P) * P), ib * P, size, multi, None if multi else "lhs", budget)
     gate = _fit_gemm(nk, ib * P, min(GEMM_COLS, hidden), size, multi, None if multi else "rhs", budget, "n")
-    if _phase1_bytes(hidden, tokens, ib, size) > budget or None in (dx, down, gate):
+    if _phase1_bytes(hidden, tokens, ib, size, projections) > budget or None in (dx, down, gate):
         raise ValueError(
             f"mlp: backward with hidden size {hidden} and intermediate size {inter} "
             f"({dtype_name(dtype)}) does not fit the {sbuf_bytes // 1024} KiB of SBUF per partition"
@@ -472,14 +603,18 @@ def backward_plan(tokens, hidden, inter, dtype, sbuf_bytes):
     return BackwardPlan(ib, dx[0], dx[1], down[0], gate[1])
 
 
-def _activation_and_grad(gate, rows, cols, activation, columns):
-    """(act(g), act'(g)) in fp32 SBUF from the gate projection ``gate`` (SBUF). ``columns`` holds
-    [P, 1] fp32 constants (1.0) for ScalarE biases."""
-    act = nl.ndarray((rows, cols), nl.float32, buffer=nl.sbuf)
+def _activation_and_grad(gate, rows, cols, activation, columns, act_dtype=nl.float32):
+    """(act(g), act'(g)) in SBUF from the projection ``gate`` (SBUF): act(g) in ``act_dtype``, act'(g) in
+    fp32. ``columns`` holds [P, 1] fp32 constants (1.0) for ScalarE biases."""
+    act = nl.ndarray((rows, cols), act_dtype, buffer=nl.sbuf)
     grad = nl.ndarray((rows, cols), nl.float32, buffer=nl.sbuf)
-    if activation == "silu":
-        nisa.activation(dst=act, op=nl.silu, data=gate)
-        nisa.activation(dst=grad, op=nl.silu_dx, data=gate)
+    if activation in ("silu", "gelu"):
+        nisa.activation(dst=act, op=_act_op(activation), data=gate)
+        nisa.activation(dst=grad, op=nl.silu_dx if activation == "silu" else nl.gelu_dx, data=gate)
+        return act, grad
+    if activation == "relu":  # relu'(0) = 0, as torch's threshold_backward has it
+        nisa.activation(dst=act, op=nl.relu, data=gate)
+        nisa.tensor_scalar(dst=grad, data=gate, op0=nl.greater, operand0=0.0)
         return act, grad
     # GELU, tanh approximation, with s = (1 + tanh(k (g + c g^3))) / 2 = sigmoid(2k (g + c g^3)):
     #   act = g s,   act' = s + 2k g s (1 - s) (1 + 3 c g^2)
@@ -508,27 +643,46 @@ def _activation_and_grad(gate, rows, cols, activation, columns):
 
 class _Backward(nl.NKIObject):
     """The backward's operands, sizes and plan, and the kernel-private HBM scratch its phases pass the
-    [T, I] gradients through: dy^T (``dy_t``), dg^T/du^T (``dgu_t``, intermediate-major, for dx) and
-    a, dg, du token-major (``grad_rows``, for the weight gradients)."""
+    [T, I] gradients through: dy^T (``dy_t``), the input projections' gradients dg^T/du^T (``dgu_t``,
+    intermediate-major, for dx) and a, dg, du token-major (``grad_rows``, for the weight gradients).
+    ``projections``: the gate and up weights, or the plain MLP's up alone. With ``with_bias`` (plain
+    MLP) the bias gradients, sums over tokens of du and dy, accumulate in fp32 per-partition columns
+    (``bias_sums``: up's [P, I/128], down's [P, H/128])."""
 
-    def __init__(self, dy, x, w_gate, w_up, w_down, saved, activation, plan, evictions):
-        self.dy, self.x, self.w_gate, self.w_up, self.w_down, self.saved = dy, x, w_gate, w_up, w_down, saved
+    def __init__(self, dy, x, projections, w_down, saved, activation, plan, evictions, with_bias=False):
+        self.dy, self.x, self.projections, self.w_down, self.saved = dy, x, projections, w_down, saved
         self.activation, self.plan, self.evictions, self.dtype = activation, plan, evictions, x.dtype
         (self.tokens, self.hidden), self.inter = x.shape, w_down.shape[1]
         token_tiles, h_tiles, i_tiles = saved.shape[0], ceil_div(self.hidden, P), ceil_div(self.inter, P)
-        self.token_tile, ib = saved.shape[4], plan.i_block_tiles
+        self.token_tile, ib, n = saved.shape[4], plan.i_block_tiles, len(projections)
         self.dy_t = nl.ndarray((token_tiles, P, h_tiles, self.token_tile), self.dtype, buffer=nl.hbm)
-        self.dgu_t = nl.ndarray((token_tiles, P, 2 * i_tiles, self.token_tile), self.dtype, buffer=nl.hbm)
+        self.dgu_t = nl.ndarray((token_tiles, P, n * i_tiles, self.token_tile), self.dtype, buffer=nl.hbm)
         self.grad_rows = nl.ndarray(
-            (3, ceil_div(i_tiles, ib), P, ceil_div(self.tokens, P), min(self.inter, ib * P)), self.dtype, buffer=nl.hbm
+            (1 + n, ceil_div(i_tiles, ib), P, ceil_div(self.tokens, P), min(self.inter, ib * P)),
+            self.dtype,
+            buffer=nl.hbm,
         )
+        self.bias_sums = None
+        if with_bias:
+            self.bias_sums = tuple(nl.ndarray((P, t), nl.float32, buffer=nl.sbuf) for t in (i_tiles, h_tiles))
+            for sums in self.bias_sums:
+                nisa.memset(dst=sums, value=0.0)
 
     def transpose_dy(self):
-        """Phase 0: dy_t[b, p, k, t] = dy[b * token_tile + t, k * 128 + p], token tile by token tile."""
+        """Phase 0: dy_t[b, p, k, t] = dy[b * token_tile + t, k * 128 + p], token tile by token tile
+        (and, with biases, the down bias's gradient: dy's sums over tokens, from the transposed tiles)."""
         for b, (t0, tsz) in enumerate(tiles(self.tokens, self.token_tile)):
             buf = nl.ndarray((P, ceil_div(self.hidden, P), tsz), self.dtype, buffer=nl.sbuf)
             _load_transposed_tokens(buf, self.dy, t0, tsz, self.hidden, self.dtype, self.evictions)
             nisa.dma_copy(dst=self.dy_t[b, :, :, :tsz], src=buf)
+            if self.bias_sums is not None:
+                for k, (_, hsz) in enumerate(tiles(self.hidden, P)):
+                    _add_row_sums(self.bias_sums[1][:hsz, k : k + 1], buf[:hsz, k, :tsz])
+
+    def store_bias_grads(self, d_up_bias, d_down_bias):
+        """The bias gradients, from their fp32 sums, rounded once to the input dtype."""
+        _store_columns(d_up_bias, self.bias_sums[0], self.inter, self.dtype)
+        _store_columns(d_down_bias, self.bias_sums[1], self.hidden, self.dtype)
 
     def intermediate_grads(self):
         """Phase 1: da^T = Wd^T dy^T per intermediate block and token tile, and from it (with the saved
@@ -552,6 +706,7 @@ class _Backward(nl.NKIObject):
         w_d = [nl.ndarray((P, len(h_tiles), width), dtype, buffer=nl.sbuf) for _ in range(min(2, len(blocks)))]
         columns = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)  # ScalarE bias constant 1.0
         nisa.memset(dst=columns, value=1.0)
+        n_proj = len(self.projections)
 
         def load_block(ib, part=0, parts=1):
             """Rows [part/parts] of block ib's down-weight columns (a block loads in slices, one per
@@ -566,7 +721,7 @@ class _Backward(nl.NKIObject):
             tsz, it0, nbt = token_tiles[b][1], ib * i_block_tiles, len(blocks[ib])
             dyt = nl.ndarray((P, len(h_tiles), tsz), dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=dyt, src=dy_t[b, :, :, :tsz])
-            gate_up = nl.ndarray((P, 2, nbt, tsz), dtype, buffer=nl.sbuf)
+            gate_up = nl.ndarray((P, n_proj, nbt, tsz), dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=gate_up, src=saved[b, :, :, it0 : it0 + nbt, :tsz])
             return dyt, gate_up
 
@@ -585,9 +740,9 @@ class _Backward(nl.NKIObject):
             block, (t0, tsz) = blocks[ib], token_tiles[b]
             it0, nbt = ib * i_block_tiles, len(block)
             cols = block[-1][0] + block[-1][1] - block[0][0]
-            grads_t = nl.ndarray((P, 2, nbt, tsz), dtype, buffer=nl.sbuf)  # dg^T, du^T
-            rows = nl.ndarray((P, 3, ceil_div(tsz, P), cols), dtype, buffer=nl.sbuf)  # a, dg, du token-major
-            for j, (_, isz) in enumerate(block):
+            grads_t = nl.ndarray((P, n_proj, nbt, tsz), dtype, buffer=nl.sbuf)  # dg^T, du^T (or du^T)
+            rows = nl.ndarray((P, 1 + n_proj, ceil_div(tsz, P), cols), dtype, buffer=nl.sbuf)  # a, dg, du token-major
+            for j, (i0, isz) in enumerate(block):
                 d_act = nl.ndarray((isz, tsz), nl.float32, buffer=nl.psum)
                 for k, (_, hsz) in enumerate(h_tiles):
                     nisa.nc_matmul(
@@ -595,19 +750,26 @@ class _Backward(nl.NKIObject):
                     )
                 while len(pending) >= depth:
                     _run(pending.pop(0))
-                a = _elementwise_grads(
-                    d_act,
-                    gate_up[:isz, 0, j, :],
-                    gate_up[:isz, 1, j, :],
-                    grads_t[:isz, 0, j, :],
-                    grads_t[:isz, 1, j, :],
-                    isz,
-                    tsz,
-                    activation,
-                    dtype,
-                    columns,
-                )
-                sources = (a, grads_t[:isz, 0, j, :], grads_t[:isz, 1, j, :])
+                if n_proj == 2:
+                    a = _elementwise_grads(
+                        d_act,
+                        gate_up[:isz, 0, j, :],
+                        gate_up[:isz, 1, j, :],
+                        grads_t[:isz, 0, j, :],
+                        grads_t[:isz, 1, j, :],
+                        isz,
+                        tsz,
+                        activation,
+                        dtype,
+                        columns,
+                    )
+                else:
+                    a = _plain_elementwise_grads(
+                        d_act, gate_up[:isz, 0, j, :], grads_t[:isz, 0, j, :], isz, tsz, activation, dtype, columns
+                    )
+                    if self.bias_sums is not None:
+                        _add_row_sums(self.bias_sums[0][:isz, i0 // P : i0 // P + 1], grads_t[:isz, 0, j, :])
+                sources = [a] + [grads_t[:isz, k, j, :] for k in range(n_proj)]
                 pending.append(
                     [
                         (_transpose_rows_into, (rows[:, kind, :, j * P : j * P + isz], src, isz, tsz, dtype, evictions))
@@ -616,20 +778,20 @@ class _Backward(nl.NKIObject):
                 )
             i_total, r0 = len(i_tiles), t0 // P
             pending[-1] += [
-                (nisa.dma_copy, (dgu_t[b, :, it0 : it0 + nbt, :tsz], grads_t[:, 0, :, :])),
-                (nisa.dma_copy, (dgu_t[b, :, i_total + it0 : i_total + it0 + nbt, :tsz], grads_t[:, 1, :, :])),
-                (nisa.dma_copy, (grad_rows[:, ib, :, r0 : r0 + ceil_div(tsz, P), :cols].permute(1, 0, 2, 3), rows)),
-            ]
+                (nisa.dma_copy, (dgu_t[b, :, k * i_total + it0 : k * i_total + it0 + nbt, :tsz], grads_t[:, k, :, :]))
+                for k in range(n_proj)
+            ] + [(nisa.dma_copy, (grad_rows[:, ib, :, r0 : r0 + ceil_div(tsz, P), :cols].permute(1, 0, 2, 3), rows))]
         for group in pending:
             _run(group)
 
     def input_grad(self, dx):
-        """Phase 2: dx = dg Wg + du Wu, contracting over the 2I intermediate rows (dg^T, du^T from phase 1)."""
-        dgu_t, w_gate, w_up, plan = self.dgu_t, self.w_gate, self.w_up, self.plan
+        """Phase 2: dx = dg Wg + du Wu (or du Wu), contracting over the input projections' intermediate
+        rows (dg^T, du^T from phase 1)."""
+        dgu_t, plan = self.dgu_t, self.plan
         tokens, hidden, inter, dtype, evictions = self.tokens, self.hidden, self.inter, self.dtype, self.evictions
         token_tile = dgu_t.shape[3]
         i_tiles = list(tiles(inter, P))
-        k_src = [(w_gate, i0, isz) for i0, isz in i_tiles] + [(w_up, i0, isz) for i0, isz in i_tiles]
+        k_src = [(weight, i0, isz) for weight in self.projections for i0, isz in i_tiles]
         k_tiles = [isz for _, _, isz in k_src]
         m_blocks = [_output_rows(m0, rows) for m0, rows in tiles(tokens, plan.dx_rows)]
 
@@ -665,8 +827,9 @@ class _Backward(nl.NKIObject):
             evictions,
         )
 
-    def weight_grads(self, dw_gate, dw_up, dw_down):
-        """Phase 3: dWd = dy^T a, dWg = dg^T x, dWu = du^T x, contracting over tokens."""
+    def weight_grads(self, dw_projections, dw_down):
+        """Phase 3: dWd = dy^T a, and dWg = dg^T x, dWu = du^T x (``dw_projections``: the gradients
+        of the input projections, in their order), contracting over tokens."""
         dy, x, grad_rows, plan = self.dy, self.x, self.grad_rows, self.plan
         tokens, hidden, inter = self.tokens, self.hidden, self.inter
         dtype, evictions = self.dtype, self.evictions
@@ -698,7 +861,7 @@ class _Backward(nl.NKIObject):
         gate_cols = plan.gate_cols
         g_blocks = [
             _output_rows(c0, cols, target=target, kind=kind, block=ib)
-            for kind, target in ((1, dw_gate), (2, dw_up))
+            for kind, target in enumerate(dw_projections, start=1)
             for ib, (c0, cols) in enumerate(i_blocks)
         ]
 
@@ -747,6 +910,21 @@ def _elementwise_grads(d_act, gate, up, d_gate_out, d_up_out, rows, cols, activa
     nisa.tensor_tensor(dst=d_gate, data1=d_act, data2=up, op=nl.multiply)
     nisa.tensor_tensor(dst=d_gate_out, data1=d_gate, data2=grad, op=nl.multiply, engine=nisa.engine.gpsimd)
     return a
+
+
+def _plain_elementwise_grads(d_act, up, d_up_out, rows, cols, activation, dtype, columns):
+    """From da (PSUM) and the saved u (with its bias): writes du = da * act'(u) and returns a = act(u),
+    in ``dtype``. ScalarE: the activation and its derivative; VectorE: the product with da (PSUM)."""
+    act, grad = _activation_and_grad(up, rows, cols, activation, columns, act_dtype=dtype)
+    nisa.tensor_tensor(dst=d_up_out, data1=d_act, data2=grad, op=nl.multiply)
+    return act
+
+
+def _add_row_sums(sums, data):
+    """sums (an fp32 [rows, 1] column) += data's sums along its free dim (a bias gradient's share)."""
+    part = nl.ndarray(tuple(sums.shape), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=part, op=nl.add, data=data, axis=1)
+    nisa.tensor_tensor(dst=sums, data1=sums, data2=part, op=nl.add, engine=nisa.engine.gpsimd)
 
 
 class _OutputRows(nl.NKIObject):
@@ -912,11 +1090,60 @@ def mlp_bwd(dy, x, w_gate, w_up, w_down, saved, activation):
         dwg, dwu = dw_gate[:inter, :], dw_gate[inter:, :]
     else:
         dwg, dwu = dw_gate, dw_up
-    backward = _Backward(dy, x, w_gate, w_up, w_down, saved, activation, plan, _Evictions())
+    backward = _Backward(dy, x, [w_gate, w_up], w_down, saved, activation, plan, _Evictions())
     backward.transpose_dy()
     backward.intermediate_grads()
     backward.input_grad(dx)
-    backward.weight_grads(dwg, dwu, dw_down)
+    backward.weight_grads([dwg, dwu], dw_down)
     if fused:
         return dx, dw_gate, dw_down
     return dx, dw_gate, dw_up, dw_down
+
+
+@nki.jit
+def plain_mlp_bwd(dy, x, w_up, w_down, saved, activation, with_bias):
+    """Fused plain MLP backward, from the forward's saved up projection (with its bias).
+
+    With u = x Wu^T + bu, a = act(u), y = a Wd^T + bd:
+        da = dy Wd;  du = da * act'(u);  dx = du Wu;  dWd = dy^T a;  dWu = du^T x;
+        dbu = sum_t du;  dbd = sum_t dy
+
+    Args:
+        dy: [T, H] gradient of the output. x: [T, H] forward input.
+        w_up: [I, H], w_down: [H, I] as in :func:`plain_mlp_fwd`.
+        saved: the forward's ``saved_shape(T, I, 1)`` up projection.
+        activation: as in the forward. with_bias: also return the biases' gradients.
+
+    IO shapes:
+        returns (dx [T, H], dw_up [I, H], dw_down [H, I]), with ``with_bias`` followed by
+        (db_up [I], db_down [H]); all in x's dtype.
+
+    Plan: :func:`mlp_bwd`'s four phases with one input projection (phase 2 contracts over I, not
+    2I). The bias gradients are row sums of tiles the phases already hold, accumulated in fp32
+    per-partition columns: dy^T's in phase 0 (VectorE), du^T's in phase 1 (VectorE).
+    """
+    dtype = x.dtype
+    check_plain_shapes(
+        x.shape, w_up.shape, w_down.shape, None, None, activation, [dtype, dy.dtype, w_up.dtype, w_down.dtype]
+    )
+    tokens, hidden = x.shape
+    inter = w_down.shape[1]
+    if tuple(dy.shape) != (tokens, hidden):
+        raise ValueError(f"plain_mlp: grad_out of shape {tuple(dy.shape)} does not match x {tuple(x.shape)}")
+    if tuple(saved.shape) != saved_shape(tokens, inter, 1):
+        raise ValueError(f"plain_mlp: saved up of shape {tuple(saved.shape)} is not {saved_shape(tokens, inter, 1)}")
+    plan = backward_plan(tokens, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size, 1)
+    dx = nl.ndarray((tokens, hidden), dtype, buffer=nl.shared_hbm)
+    dw_up = nl.ndarray((inter, hidden), dtype, buffer=nl.shared_hbm)
+    dw_down = nl.ndarray((hidden, inter), dtype, buffer=nl.shared_hbm)
+    backward = _Backward(dy, x, [w_up], w_down, saved, activation, plan, _Evictions(), with_bias)
+    backward.transpose_dy()
+    backward.intermediate_grads()
+    backward.input_grad(dx)
+    backward.weight_grads([dw_up], dw_down)
+    if not with_bias:
+        return dx, dw_up, dw_down
+    db_up = nl.ndarray((inter,), dtype, buffer=nl.shared_hbm)
+    db_down = nl.ndarray((hidden,), dtype, buffer=nl.shared_hbm)
+    backward.store_bias_grads(db_up, db_down)
+    return dx, dw_up, dw_down, db_up, db_down
