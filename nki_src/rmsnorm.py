@@ -31,7 +31,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import P, itemsize, tiles
+from ._common import P, ceil_div, itemsize, tiles
 
 FREE_CHUNK = 2048
 SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and constants
@@ -43,6 +43,19 @@ MIN_HIDDEN = 1
 PACKED_ROW_BYTES = 4096
 MAX_PACKED_ROWS = 32
 MAX_HIDDEN = 16384
+# Few rows (decode batches) go through the decode layout (``_decode_forward``): each row spread over many
+# partitions instead of one, and the weight read from HBM once. It is used while it gives every row at
+# least DECODE_PARTITIONS_PER_ROW partitions (16 rows over 128) and spreads rows over at least
+# DECODE_MIN_PARTITIONS: beyond that the row tiles win, as the decode layout's normalising pass costs two
+# cycles per element (an fp32 operand) and its DMAs move short runs. Both from the modelled crossover
+# (Trn2, hidden 64..16384, bf16 and fp32, every convention; tests/ops/test_rmsnorm.py checks it).
+DECODE_PARTITIONS_PER_ROW = 8
+DECODE_MIN_PARTITIONS = 32
+# The decode layout reads each partition's share of a row as one run of at least this many bytes; AWS's
+# rmsnorm_tkg reads the same layout straight from HBM only from hidden 2048 (bf16: 32-byte runs). Shorter
+# runs leave too few bytes per DMA descriptor, so hidden sizes that allow only those spread over fewer
+# partitions.
+DECODE_MIN_RUN_BYTES = 32
 CONVENTIONS = ("llama", "gemma", "fp32_multiply")
 
 
@@ -61,10 +74,10 @@ def check_shapes(x_shape, weight_shape, convention):
         raise ValueError(f"rmsnorm: weight shape {tuple(weight_shape)} does not match hidden size {hidden}")
 
 
-def _broadcast_weight(weight, hidden, dtype, plus_one):
-    """The weight on every partition, as ``dtype`` (plus one for the Gemma convention)."""
-    spread = nl.ndarray((P, hidden), dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=spread, src=weight.reshape((1, hidden)).broadcast(0, P))
+def _broadcast_weight(weight, hidden, dtype, plus_one, parts=P):
+    """The weight on the first ``parts`` partitions, as ``dtype`` (plus one for the Gemma convention)."""
+    spread = nl.ndarray((parts, hidden), dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=spread, src=weight.reshape((1, hidden)).broadcast(0, parts))
     if plus_one:
         nisa.tensor_scalar(dst=spread, data=spread, op0=nl.add, operand0=1.0)
     return spread
@@ -130,6 +143,60 @@ def _packed_forward(x, out, rstd_out, w, eps_column, r0, k, llama):
     nisa.dma_copy(dst=rstd_out[r0 : r0 + P * k, :].reshape((P, k)), src=rstd)
 
 
+def decode_partitions(rows, hidden, dtype):
+    """Partitions the decode layout spreads each row over, or 0 when the row tiles serve ``rows``.
+
+    The largest divisor of ``hidden`` up to P whose share of a row is at least DECODE_MIN_RUN_BYTES, if
+    that gives each row DECODE_PARTITIONS_PER_ROW partitions and is at least DECODE_MIN_PARTITIONS.
+    """
+    shortest = ceil_div(DECODE_MIN_RUN_BYTES, itemsize(dtype))
+    for parts in range(min(P, hidden // shortest), DECODE_MIN_PARTITIONS - 1, -1):
+        if hidden % parts == 0:
+            return parts if rows * DECODE_PARTITIONS_PER_ROW <= parts else 0
+    return 0
+
+
+def _decode_forward(x, weight, eps, convention, out, rstd_out, parts):
+    """Few rows, each spread over ``parts`` partitions: partition p holds columns [p c, (p + 1) c) of
+    every row (c = H / parts), as a [parts, rows, c] tile. The weight is then one [parts, c] tile, read
+    from HBM once and broadcast along the rows by the access pattern, never copied. Each partition's
+    squares are summed per row on VectorE, and a matmul against a ones matrix adds those partial sums
+    over the partitions and hands every partition every row's total (one moving column per row, so a
+    NaN stays in its own row)."""
+    rows, hidden = x.shape
+    width = hidden // parts
+    llama = convention == "llama"
+    tile = nl.ndarray((parts, rows, width), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=x.reshape((rows, parts, width)).permute(1, 0, 2))
+    w = nl.ndarray((parts, width), weight.dtype if llama else nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=w, src=weight.reshape((parts, width)))
+    if convention == "gemma":
+        nisa.tensor_scalar(dst=w, data=w, op0=nl.add, operand0=1.0)
+    ones = nl.ndarray((parts, parts), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    eps_column = nl.ndarray((parts, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=eps_column, value=eps)
+
+    squares = nl.ndarray((parts, rows, width), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=squares, op=nl.square, data=tile, scale=1.0 / (hidden**0.5))  # sums to mean(x^2)
+    partial = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=partial, op=nl.add, data=squares, axis=2)
+    mean_square = nl.ndarray((parts, rows), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=mean_square, stationary=ones, moving=partial, is_stationary_onezero=True)
+    rstd = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=rstd, op=nl.rsqrt, data=mean_square, bias=eps_column)
+
+    along_rows = rstd.reshape((parts, rows, 1)).broadcast(2, width)
+    along_columns = w.reshape((parts, 1, width)).broadcast(1, rows)
+    # Llama rounds the normalised value to x's dtype before the weight; the fp32 conventions do not.
+    normed = nl.ndarray((parts, rows, width), x.dtype if llama else nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=normed, data1=tile, data2=along_rows, op=nl.multiply)
+    result = nl.ndarray((parts, rows, width), out.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=result, data1=normed, data2=along_columns, op=nl.multiply)
+    nisa.dma_copy(dst=out.reshape((rows, parts, width)).permute(1, 0, 2), src=result)
+    nisa.dma_copy(dst=rstd_out.reshape((1, rows)), src=rstd[0:1, :])  # every partition holds every row's
+
+
 def _row_rstd(tile, rows, hidden, eps_column):
     """rstd = rsqrt(mean(x^2) + eps) per row, squaring chunk by chunk into ScalarE's registers."""
     mean_square = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
@@ -171,7 +238,12 @@ def rmsnorm_fwd(x, weight, eps, convention, out_dtype):
     llama = convention == "llama"
     out = nl.ndarray((rows_total, hidden), out_dtype, buffer=nl.shared_hbm)
     rstd_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
-    w = _broadcast_weight(weight, hidden, weight.dtype if llama else nl.float32, convention == "gemma")
+    parts = decode_partitions(rows_total, hidden, x.dtype)
+    if parts:
+        _decode_forward(x, weight, eps, convention, out, rstd_out, parts)
+        return out, rstd_out
+    w_dtype = weight.dtype if llama else nl.float32
+    w = _broadcast_weight(weight, hidden, w_dtype, convention == "gemma", min(rows_total, P))
     eps_column = _constant_column(eps)
     k = rows_per_partition(hidden, x.dtype)
     packed = rows_total - rows_total % (P * k) if k > 1 else 0
