@@ -46,7 +46,9 @@ def test_bf16_error_is_within_torchs_own_bf16_error(shape, convention):
     assert kernel_error <= 1.5 * torch_error, (kernel_error, torch_error)
 
 
-@pytest.mark.parametrize("shape", [(256, 512), (16, 4096)], ids=["row-tiles", "decode"])
+@pytest.mark.parametrize(
+    "shape", [(256, 512), (16, 4096), (8, 3000)], ids=["row-tiles", "decode-rowwise", "decode-groupwise"]
+)
 @pytest.mark.parametrize("convention", CONVENTIONS)
 def test_bf16_rounds_where_the_transformers_module_rounds(convention, shape):
     """Llama rounds the normalised value before scaling; the fp32 conventions round once."""
@@ -76,7 +78,8 @@ def test_packed_short_rows_match_like_any_other(shape, convention):
 
 # The decode layout (each of a few rows spread over the partitions) serves up to P // 8 = 16 rows of a
 # hidden size with a 128-way divisor; these run it from one row to one past the switch, on hidden sizes
-# that are (4096) and are not (4000: 125 partitions; 3000: 125; 1000: 50 in bf16, 125 in fp32) multiples of 128.
+# that are (4096) and are not (4000: 125 partitions; 3000: 125; 1000: 50 in bf16, 100 in fp32) multiples of 128;
+# 4096 and 4000 normalise row by row on ScalarE (32 columns per partition), 3000 and 1000 group-wise on VectorE.
 DECODE_SHAPES = [(rows, 4096) for rows in range(1, 18)] + [(1, 4000), (5, 3000), (4, 1000), (2, 3, 1000)]
 
 
@@ -109,7 +112,7 @@ def test_decode_shapes_take_the_decode_layout_up_to_the_switch():
         assert all(parts for shape, parts in used.items() if shape != (17, 4096)), used
     assert _decode_partitions((5, 3000), torch.bfloat16) == 125
     assert _decode_partitions((4, 1000), torch.bfloat16) == 50  # 20-element (40-byte) runs; 125 would give 16 bytes
-    assert _decode_partitions((4, 1000), torch.float32) == 125
+    assert _decode_partitions((4, 1000), torch.float32) == 100
 
 
 @pytest.mark.parametrize(
@@ -119,8 +122,10 @@ def test_decode_shapes_take_the_decode_layout_up_to_the_switch():
         (17, 4096, "bfloat16", 0),
         (6, 1000, "bfloat16", 50),
         (7, 1000, "bfloat16", 0),
-        (1, 256, "bfloat16", 0),  # 16 partitions of 32 bytes: too few partitions to pay off
-        (1, 256, "float32", 32),
+        (8, 2048, "bfloat16", 64),  # 128 partitions would read 32-byte runs
+        (9, 2048, "bfloat16", 0),
+        (1, 512, "float32", 32),
+        (1, 256, "float32", 0),  # 32 partitions would read 32-byte runs, and fewer do not pay off
         (1, 4099, "bfloat16", 0),  # prime: no divisor spreads it
         (1, 1, "float32", 0),
     ],
