@@ -77,11 +77,11 @@ MAX_HIDDEN = 16384
 # Few rows (decode batches) go through the decode layout (``_decode_forward``): each row spread over many
 # partitions instead of one, and the weight read from HBM once. It is used while it gives every row at
 # least DECODE_PARTITIONS_PER_ROW partitions (16 rows over 128) and spreads rows over at least
-# DECODE_MIN_PARTITIONS: beyond that the row tiles win, as the decode layout's normalising pass costs two
-# cycles per element (an fp32 operand) and its DMAs move short runs. Both from the modelled crossover
+# DECODE_MIN_PARTITIONS: beyond that the row tiles win, as every partition of the decode layout works on
+# every row and its DMAs move short runs. Both from the modelled crossover
 # (Trn2): over 1,218 shapes where it is chosen (1..16 rows, 18 hidden sizes from 200 to 16384, bf16 and
-# fp32, every convention) it models at least 7% faster than the row tiles; tests/ops/test_rmsnorm.py
-# checks the closest cases.
+# fp32, every convention) it models at least 7% faster than the row tiles (benchmarks/rmsnorm_decode_sweep.py
+# reruns it; tests/ops/test_rmsnorm.py checks the closest cases).
 DECODE_PARTITIONS_PER_ROW = 8
 DECODE_MIN_PARTITIONS = 32
 # Rows per group in the decode layout (each group loads, normalises and stores on its own): modelled at 8
@@ -90,8 +90,9 @@ DECODE_MIN_PARTITIONS = 32
 DECODE_GROUP_ROWS = 4
 # The decode layout normalises row by row on ScalarE (per row one instruction of max(64, c) cycles at
 # 1.2 GHz, c = H / partitions) when that beats one VectorE instruction over the group (two cycles per
-# element at 0.96 GHz, as the rstd operand is fp32): from about 26 columns on (AWS's per-instruction costs).
-DECODE_ROWWISE_WIDTH = 32
+# element at 0.96 GHz, as the rstd operand is fp32): from 26 columns on (64 / 1.2 = 2 c / 0.96 at
+# c = 25.6, by AWS's per-instruction costs).
+DECODE_ROWWISE_WIDTH = 26
 # The decode layout reads each partition's share of a row as one run of at least this many bytes: the
 # shortest AWS's rmsnorm_tkg reads in this layout straight from HBM (it does so above hidden 2048, 17 bf16
 # elements from hidden 2176, and loads contiguously and transposes on chip below). Hidden sizes whose
