@@ -19,19 +19,50 @@ Tiling plan
     each partition's DMA stays long. A tile's rows stay in SBUF while the free dim
     is processed in chunks of at most FREE_CHUNK elements: ScalarE squares each chunk and keeps
     a running sum in its reduce registers (``reduce_cmd``), so the whole row is read from HBM once.
-    The weight is broadcast to all 128 partitions once per kernel by a single DMA.
+    The weight is copied once per kernel by a single DMA to the partitions the row tiles use.
+
+    Few rows (decode batches: ``decode_partitions``, up to 16 rows at hidden 4096) take the decode
+    layout in the forward instead (``_decode_forward``): each row is spread over up to 128
+    partitions, partition p holding columns [p c, (p + 1) c) of every row (c = H / partitions) as a
+    [partitions, rows, c] tile, like AWS's decode kernel rmsnorm_tkg. The weight is then one
+    [partitions, c] tile, read from HBM once (8 KB at hidden 4096, where a copy on 128 partitions
+    moves 1 MB) and broadcast along the rows by a stride-0 access pattern. A ones matmul adds the
+    partitions' partial sums of squares, one moving column per row, so every partition gets every
+    row's total and a NaN stays in its own row. Rows go in groups of DECODE_GROUP_ROWS with their own
+    DMAs, so one group's arithmetic overlaps the others' transfers.
+
+    Why this layout. Three ways to stop moving 128 weight copies were weighed:
+    (a) rows on partitions, the weight DMA-broadcast to the rows' partitions only (what the row tiles
+    now do below 128 rows): the weight bytes fall with the row count, but each row's arithmetic
+    stays on one partition (8 of 128 lanes at 8 rows): modelled 9.98 us at 8 x 4096 (12.7 us with
+    128 weight copies), against 4.96 us in the decode layout;
+    (b) each row on a block of 128 / N partitions: longer DMA runs (512 B at 8 rows), but every block
+    needs its own weight (N copies through HBM, or a TensorE broadcast whose zeros turn a NaN weight
+    into NaN in other columns), and the per-block sums need a block-diagonal matmul that mixes rows
+    (0 x NaN) unless masked by extra GpSimd selects on the critical path;
+    (c) hidden over the partitions (chosen): no weight copy at all, rows kept apart by construction.
+    Its gain over the row tiles rests on AWS's documented per-instruction costs (each partition
+    handles rows x c elements instead of H) and the HBM bandwidth (139 KB instead of 1.18 MB), not on
+    the DMA-efficiency constant: its runs of c elements (64 B at hidden 4096) get the model's lowest
+    efficiency like any run up to 1 KiB, while AWS's DMA guide calls runs under 256 B
+    overhead-bound, so on hardware its transfers may be slower than modelled. That constant does set
+    where the row tiles take over (DECODE_PARTITIONS_PER_ROW, from the modelled crossover).
 
 Engine plan (forward)
     DMA: x in, out and rstd out. ScalarE: sum of squares (one pass) and rsqrt. VectorE: the
     normalise-and-scale pass (two instructions for "llama", which must round between them; one
     fused scalar_tensor_tensor for the fp32 conventions).
+    Decode layout: ScalarE squares and takes rsqrt, and normalises row by row when a row's share is
+    at least DECODE_ROWWISE_WIDTH; VectorE sums each row's squares per partition, scales by the
+    weight (and normalises a group at once below that width); TensorE adds the partial sums over
+    the partitions; GpSimd sets the constants and adds 1 to a Gemma weight off the rows' engines.
 """
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import P, itemsize, tiles
+from ._common import P, ceil_div, itemsize, tiles
 
 FREE_CHUNK = 2048
 SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and constants
@@ -43,6 +74,30 @@ MIN_HIDDEN = 1
 PACKED_ROW_BYTES = 4096
 MAX_PACKED_ROWS = 32
 MAX_HIDDEN = 16384
+# Few rows (decode batches) go through the decode layout (``_decode_forward``): each row spread over many
+# partitions instead of one, and the weight read from HBM once. It is used while it gives every row at
+# least DECODE_PARTITIONS_PER_ROW partitions (16 rows over 128) and spreads rows over at least
+# DECODE_MIN_PARTITIONS: beyond that the row tiles win, as every partition of the decode layout works on
+# every row and its DMAs move short runs. Both from the modelled crossover
+# (Trn2): over 1,218 shapes where it is chosen (1..16 rows, 18 hidden sizes from 200 to 16384, bf16 and
+# fp32, every convention) it models at least 7% faster than the row tiles (benchmarks/rmsnorm_decode_sweep.py
+# reruns it; tests/ops/test_rmsnorm.py checks the closest cases).
+DECODE_PARTITIONS_PER_ROW = 8
+DECODE_MIN_PARTITIONS = 32
+# Rows per group in the decode layout (each group loads, normalises and stores on its own): modelled at 8
+# rows of 4096 (Trn2, bf16), 5.0 us in groups of 4 against 5.6 us in one group and 5.3 us in groups of 2;
+# at 16 rows groups of 4 and 8 are within 2%.
+DECODE_GROUP_ROWS = 4
+# The decode layout normalises row by row on ScalarE (per row one instruction of max(64, c) cycles at
+# 1.2 GHz, c = H / partitions) when that beats one VectorE instruction over the group (two cycles per
+# element at 0.96 GHz, as the rstd operand is fp32): from 26 columns on (64 / 1.2 = 2 c / 0.96 at
+# c = 25.6, by AWS's per-instruction costs).
+DECODE_ROWWISE_WIDTH = 26
+# The decode layout reads each partition's share of a row as one run of at least this many bytes: the
+# shortest AWS's rmsnorm_tkg reads in this layout straight from HBM (it does so above hidden 2048, 17 bf16
+# elements from hidden 2176, and loads contiguously and transposes on chip below). Hidden sizes whose
+# 128-way split gives shorter runs spread over fewer partitions.
+DECODE_MIN_RUN_BYTES = 34
 CONVENTIONS = ("llama", "gemma", "fp32_multiply")
 
 
@@ -61,10 +116,10 @@ def check_shapes(x_shape, weight_shape, convention):
         raise ValueError(f"rmsnorm: weight shape {tuple(weight_shape)} does not match hidden size {hidden}")
 
 
-def _broadcast_weight(weight, hidden, dtype, plus_one):
-    """The weight on every partition, as ``dtype`` (plus one for the Gemma convention)."""
-    spread = nl.ndarray((P, hidden), dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=spread, src=weight.reshape((1, hidden)).broadcast(0, P))
+def _broadcast_weight(weight, hidden, dtype, plus_one, parts=P):
+    """The weight on the first ``parts`` partitions, as ``dtype`` (plus one for the Gemma convention)."""
+    spread = nl.ndarray((parts, hidden), dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=spread, src=weight.reshape((1, hidden)).broadcast(0, parts))
     if plus_one:
         nisa.tensor_scalar(dst=spread, data=spread, op0=nl.add, operand0=1.0)
     return spread
@@ -130,6 +185,72 @@ def _packed_forward(x, out, rstd_out, w, eps_column, r0, k, llama):
     nisa.dma_copy(dst=rstd_out[r0 : r0 + P * k, :].reshape((P, k)), src=rstd)
 
 
+def decode_partitions(rows, hidden, dtype):
+    """Partitions the decode layout spreads each row over, or 0 when the row tiles serve ``rows``.
+
+    The largest divisor of ``hidden`` up to P whose share of a row is at least DECODE_MIN_RUN_BYTES, if
+    that gives each row DECODE_PARTITIONS_PER_ROW partitions and is at least DECODE_MIN_PARTITIONS.
+    """
+    shortest = ceil_div(DECODE_MIN_RUN_BYTES, itemsize(dtype))
+    for parts in range(min(P, hidden // shortest), DECODE_MIN_PARTITIONS - 1, -1):
+        if hidden % parts == 0:
+            return parts if rows * DECODE_PARTITIONS_PER_ROW <= parts else 0
+    return 0
+
+
+def _decode_forward(x, weight, eps, convention, out, rstd_out, parts):
+    """Few rows, each spread over ``parts`` partitions: partition p holds columns [p c, (p + 1) c) of
+    every row (c = H / parts), as a [parts, rows, c] tile. The weight is then one [parts, c] tile, read
+    from HBM once and broadcast along the rows by the access pattern, never copied. Each partition's
+    squares are summed per row on VectorE, and a matmul against a ones matrix adds those partial sums
+    over the partitions and hands every partition every row's total (one moving column per row, so a
+    NaN stays in its own row). Rows go in groups of DECODE_GROUP_ROWS, each with its own DMAs, so one
+    group's arithmetic overlaps the next group's load and the previous group's store."""
+    rows, hidden = x.shape
+    width = hidden // parts
+    llama = convention == "llama"
+    groups = []
+    for r0, count in tiles(rows, DECODE_GROUP_ROWS):  # every load first: the weight waits behind them
+        tile = nl.ndarray((parts, count, width), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x[r0 : r0 + count, :].reshape((count, parts, width)).permute(1, 0, 2))
+        groups.append((r0, count, tile))
+    # The weight and the constants are prepared on GpSimd, which the rows' arithmetic leaves idle, so no
+    # engine that serves the rows waits for the weight's DMA.
+    ones = nl.ndarray((parts, parts), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0, engine=nisa.engine.gpsimd)
+    eps_column = nl.ndarray((parts, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=eps_column, value=eps, engine=nisa.engine.gpsimd)
+    w = nl.ndarray((parts, width), weight.dtype if llama else nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=w, src=weight.reshape((parts, width)))
+    if convention == "gemma":
+        nisa.tensor_scalar(dst=w, data=w, op0=nl.add, operand0=1.0, engine=nisa.engine.gpsimd)
+    for r0, count, tile in groups:
+        squares = nl.ndarray((parts, count, width), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=squares, op=nl.square, data=tile, scale=1.0 / (hidden**0.5))  # sums to mean(x^2)
+        partial = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=partial, op=nl.add, data=squares, axis=2)
+        mean_square = nl.ndarray((parts, count), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=mean_square, stationary=ones, moving=partial, is_stationary_onezero=True)
+        rstd = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=rstd, op=nl.rsqrt, data=mean_square, bias=eps_column)
+        # Llama rounds the normalised value to x's dtype before the weight; the fp32 conventions do not.
+        normed = nl.ndarray((parts, count, width), x.dtype if llama else nl.float32, buffer=nl.sbuf)
+        if width >= DECODE_ROWWISE_WIDTH:
+            for j in range(count):
+                nisa.activation(dst=normed[:, j, :], op=nl.copy, data=tile[:, j, :], scale=rstd[:, j : j + 1])
+        else:
+            along_rows = rstd.reshape((parts, count, 1)).broadcast(2, width)
+            nisa.tensor_tensor(dst=normed, data1=tile, data2=along_rows, op=nl.multiply)
+        result = nl.ndarray((parts, count, width), out.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(
+            dst=result, data1=normed, data2=w.reshape((parts, 1, width)).broadcast(1, count), op=nl.multiply
+        )
+        rows_out = out[r0 : r0 + count, :].reshape((count, parts, width)).permute(1, 0, 2)
+        nisa.dma_copy(dst=rows_out, src=result)
+        # every partition holds every row's rstd
+        nisa.dma_copy(dst=rstd_out[r0 : r0 + count, :].reshape((1, count)), src=rstd[0:1, :])
+
+
 def _row_rstd(tile, rows, hidden, eps_column):
     """rstd = rsqrt(mean(x^2) + eps) per row, squaring chunk by chunk into ScalarE's registers."""
     mean_square = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
@@ -171,7 +292,12 @@ def rmsnorm_fwd(x, weight, eps, convention, out_dtype):
     llama = convention == "llama"
     out = nl.ndarray((rows_total, hidden), out_dtype, buffer=nl.shared_hbm)
     rstd_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
-    w = _broadcast_weight(weight, hidden, weight.dtype if llama else nl.float32, convention == "gemma")
+    parts = decode_partitions(rows_total, hidden, x.dtype)
+    if parts:
+        _decode_forward(x, weight, eps, convention, out, rstd_out, parts)
+        return out, rstd_out
+    w_dtype = weight.dtype if llama else nl.float32
+    w = _broadcast_weight(weight, hidden, w_dtype, convention == "gemma", min(rows_total, P))
     eps_column = _constant_column(eps)
     k = rows_per_partition(hidden, x.dtype)
     packed = rows_total - rows_total % (P * k) if k > 1 else 0

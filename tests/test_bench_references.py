@@ -29,6 +29,8 @@ SMALL = [
     suite.projection_case("tiled", tiled_matmul, "Llama-3-8B", 200, 300, 600),
     suite.rmsnorm_case("rmsnorm-fwd/llama", "Llama-3-8B", 130, 96, "llama"),
     suite.rmsnorm_case("rmsnorm-fwd/gemma", "Gemma-2-9B", 130, 96, "gemma"),
+    suite.rmsnorm_case("rmsnorm-fwd/llama-decode", "Llama-3-8B", 3, 1024, "llama"),
+    suite.rmsnorm_case("rmsnorm-fwd/gemma-decode", "Gemma-2-9B", 3, 1024, "gemma"),
     suite.rmsnorm_case("rmsnorm-bwd/llama", "Llama-3-8B", 130, 96, "llama", backward=True),
     suite.rmsnorm_case("rmsnorm-bwd/gemma", "Gemma-2-9B", 130, 96, "gemma", backward=True),
     suite.layernorm_case("layernorm-fwd/affine", "GPT-J-6B", 130, 300),

@@ -447,6 +447,12 @@ CASES: list[Case] = [
     rmsnorm_case("rmsnorm-fwd/gemma2-9b/4096-tokens", "Gemma-2-9B", 4096, 3584, "gemma"),
     rmsnorm_case("rmsnorm-bwd/gemma2-9b/4096-tokens", "Gemma-2-9B", 4096, 3584, "gemma", backward=True),
     rmsnorm_case("rmsnorm-fwd/qwen3-8b-q_norm/2048-tokens", "Qwen3-8B", 2048 * 32, 128, "llama"),
+    # Decode: one token per sequence, batch 1 and 8 (few rows, each spread over the partitions).
+    rmsnorm_case("rmsnorm-fwd/llama3-8b/decode-1", "Llama-3-8B", 1, 4096, "llama"),
+    rmsnorm_case("rmsnorm-fwd/llama3-8b/decode-8", "Llama-3-8B", 8, 4096, "llama"),
+    rmsnorm_case("rmsnorm-fwd/qwen3-8b/decode-1", "Qwen3-8B", 1, 4096, "llama"),
+    rmsnorm_case("rmsnorm-fwd/qwen3-8b/decode-8", "Qwen3-8B", 8, 4096, "llama"),
+    rmsnorm_case("rmsnorm-fwd/mistral-7b/decode-1", "Mistral-7B", 1, 4096, "llama"),
     rmsnorm_case("rmsnorm-fwd/mistral-7b/decode-8", "Mistral-7B", 8, 4096, "llama"),
     layernorm_case("layernorm-fwd/gpt-j-6b/4096-tokens", "GPT-J-6B", 4096, 4096),
     layernorm_case("layernorm-bwd/gpt-j-6b/4096-tokens", "GPT-J-6B", 4096, 4096, backward=True),
