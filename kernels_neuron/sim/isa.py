@@ -179,7 +179,7 @@ def dma_copy(
         partitions=parts,
         bytes_per_partition=dst.nbytes // max(parts, 1),
         contiguous_bytes=_contiguous_bytes(hbm_side) if hbm_side._indirect is None else dtypes.itemsize(hbm_side.dtype),
-        dge_mode=dge_mode.value,
+        dge_mode=dge_mode.name,
     )
 
 
@@ -1313,9 +1313,20 @@ def max8(dst: Tensor, src: Tensor, name: str | None = None) -> None:
     runtime.current().record("vector", "max8", reads=[("src", src)], writes=[("dst", dst)])
 
 
-def _find_first(data: np.ndarray, vals: np.ndarray) -> np.ndarray:
-    hits = data[:, None, :] == vals[:, :, None]
-    return np.where(hits.any(axis=2), hits.argmax(axis=2), 0)
+def _pair_occurrences(data: np.ndarray, vals: np.ndarray, order: Sequence[int]) -> np.ndarray:
+    """Per partition, the position in ``data`` of each of ``vals`` (-1 where none is left), taking
+    ``vals`` in ``order`` and giving each the first occurrence no earlier value has claimed: a value
+    repeated in ``vals`` (max8 of a row with a repeated maximum) gets a distinct occurrence each time."""
+    claimed = np.zeros(data.shape, dtype=bool)
+    index = np.full(vals.shape, -1, dtype=np.int64)
+    lanes = np.arange(data.shape[0])
+    for j in order:
+        hits = (data == vals[:, j : j + 1]) & ~claimed
+        found = hits.any(axis=1)
+        first = hits.argmax(axis=1)
+        index[:, j] = np.where(found, first, -1)
+        claimed[lanes[found], first[found]] = True
+    return index
 
 
 def nc_find_index8(dst: Tensor, data: Tensor, vals: Tensor, name: str | None = None) -> None:
@@ -1331,10 +1342,15 @@ def nc_find_index8(dst: Tensor, data: Tensor, vals: Tensor, name: str | None = N
         raise rule(instr, "dst", "must be uint16 or uint32", dtype=dtypes.name(dst.dtype))
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
-    found = _find_first(
-        operands.rows(data).astype(np.float32, copy=False), operands.rows(vals).astype(np.float32, copy=False)
+    # Duplicates in vals take successive occurrences in ascending order; a value not found gets the
+    # all-ones sentinel of dst's dtype (nki.isa.nc_find_index8's docstring).
+    found = _pair_occurrences(
+        operands.rows(data).astype(np.float32, copy=False),
+        operands.rows(vals).astype(np.float32, copy=False),
+        range(8),
     )
-    dst.write(found.reshape(dst.shape), instr)
+    sentinel = np.iinfo(dtypes.storage(dst.dtype)).max
+    dst.write(np.where(found < 0, sentinel, found).reshape(dst.shape), instr)
     runtime.current().record("vector", "nc_find_index8", reads=[("data", data), ("vals", vals)], writes=[("dst", dst)])
 
 
@@ -1352,17 +1368,13 @@ def nc_match_replace8(
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
     rows = operands.rows(data).astype(np.float32, copy=False).copy()
-    targets = operands.rows(vals).astype(np.float32, copy=False)
-    index = np.zeros(targets.shape, dtype=np.int64)
-    lanes = np.arange(rows.shape[0])
-    # One value at a time, each searching the row as already replaced: a value repeated in
-    # ``vals`` (max8 of a row with a repeated maximum) consumes a distinct occurrence each time.
-    for j in range(targets.shape[1]):
-        hits = rows == targets[:, j : j + 1]
-        found = hits.any(axis=1)
-        first = hits.argmax(axis=1)
-        index[:, j] = np.where(found, first, 0)
-        rows[lanes[found], first[found]] = np.float32(imm)
+    # vals are processed from the last to the first (nki.isa.nc_match_replace8's docstring), so of
+    # repeated vals the last one takes the first occurrence: data [1, 2, 3, 4, 8 x 7] with vals
+    # [3, 8 x 7] gives dst_idx [2, 10, 9, 8, 7, 6, 5, 4].
+    found = _pair_occurrences(rows, operands.rows(vals).astype(np.float32, copy=False), range(7, -1, -1))
+    lanes, slots = np.nonzero(found >= 0)
+    rows[lanes, found[lanes, slots]] = np.float32(imm)
+    index = np.maximum(found, 0)  # the docs name no index for an unmatched value: 0
     dst.write(rows.reshape(dst.shape), instr)
     if dst_idx is not None:
         dst_idx = operands.compute_tile(dst_idx, instr, "dst_idx", "vector")

@@ -141,7 +141,7 @@ def scalar_or_vector(x: Any, instr: str, role: str, parts: int, eng: str) -> np.
 
 
 def engine_for(requested: Any, instr: str, allowed: Sequence[str], default: str) -> str:
-    name = engine(requested if requested is not None else "unknown").value
+    name = engine(requested if requested is not None else "unknown").name
     if name == "unknown":
         return default
     if name not in allowed:

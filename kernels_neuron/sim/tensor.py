@@ -535,9 +535,13 @@ class Tensor:
     __hash__ = object.__hash__
 
     def __eq__(self, other: object):  # NKI tiles compare element-wise, like NumPy
+        if other is None:  # a Python-level check of an optional argument in NKI's front end
+            return False
         return self._binary(other, "equal")
 
     def __ne__(self, other: object):
+        if other is None:
+            return True
         return self._binary(other, "not_equal")
 
     def __bool__(self) -> bool:

@@ -1210,7 +1210,14 @@ ACT_REF = {
     "sign": np.sign,
     "softsign": lambda x: x / (1 + np.abs(x)),
 }
-ACT_DOMAIN = {"log": (0.05, 6), "sqrt": (0, 9), "rsqrt": (0.05, 9), "reciprocal": (0.2, 5), "tan": (-1.3, 1.3)}
+ACT_DOMAIN = {
+    "log": (0.05, 6),
+    "sqrt": (0, 9),
+    "rsqrt": (0.05, 9),
+    "reciprocal": (0.2, 5),
+    "tan": (-1.3, 1.3),
+    "sin": (-3.1, 3.1),  # ScalarE's valid range (nki.api.shared.rst); beyond it the polynomial extrapolates
+}
 EXACT_ACT = {"copy", "identity", "negative", "abs", "square", "relu", "ceil", "floor", "trunc", "sign"}
 
 
@@ -1528,6 +1535,10 @@ def test_max8(shape, dtype):
     assert_bits_equal(run(body, x), expected.astype(dtype))
 
 
+def _nth_occurrence(row, vals, j):
+    return np.flatnonzero(row == vals[j])[list(vals[:j]).count(vals[j])]
+
+
 def test_nc_find_index8_first_occurrence():
     rng = np.random.default_rng(101)
     x = rng.integers(-20, 20, size=(32, 64)).astype(np.float32)  # many repeated values
@@ -1541,7 +1552,9 @@ def test_nc_find_index8_first_occurrence():
         return d32, d16
 
     d32, d16 = run(body, x, vals)
-    expected = np.array([[np.flatnonzero(x[p] == v)[0] for v in vals[p]] for p in range(32)])
+    # A value repeated in vals takes its next occurrence each time (the docstring of
+    # nc_match_replace8 contrasts its own descending pairing with find_index8's ascending one).
+    expected = np.array([[_nth_occurrence(x[p], vals[p], j) for j in range(8)] for p in range(32)])
     np.testing.assert_array_equal(d32, expected)
     np.testing.assert_array_equal(d16, expected)
 
@@ -1550,7 +1563,8 @@ def _match_replace_ref(data, vals, imm):
     out = data.copy()
     idx = np.zeros(vals.shape, np.int64)
     for p in range(out.shape[0]):
-        for j, v in enumerate(vals[p]):
+        for j in reversed(range(vals.shape[1])):  # vals are processed last to first (the docstring)
+            v = vals[p, j]
             hits = np.flatnonzero(out[p] == v)  # search the partially replaced row
             if hits.size:
                 idx[p, j] = hits[0]
