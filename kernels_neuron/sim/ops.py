@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import frontend
+from . import frontend, runtime
 from .errors import rule
 
 Array = np.ndarray
@@ -207,6 +207,9 @@ ACTIVATION["reciprocal"].binary = _fp32(lambda a, b: 1.0 / a)
 BYPASS = Op("bypass", unary=_fp32(lambda x: x), binary=_fp32(lambda a, b: a))
 PRELU = Op("prelu", unary=_fp32(lambda x: x))  # slope comes from relu_param at the call site
 
+# nki.language.abs_max / abs_min: "Available only on NeuronCore-v4 (trn3) and newer".
+NEURONCORE_V4_OPS = frozenset({"abs_max", "abs_min"})
+
 ALL: dict[str, Op] = {**ARITH, **COMPARE, **LOGICAL, **BITVEC, **ACTIVATION, "bypass": BYPASS, "prelu": PRELU}
 
 
@@ -214,6 +217,9 @@ def as_alu(op: Any, instruction: str, role: str = "op") -> Op:
     """Resolve an ``op=`` argument to a binary ALU operator, or raise naming the instruction."""
     resolved = getattr(op, "alu_op", op)  # nl.max / nl.sum etc. stand for maximum / add
     if isinstance(resolved, Op) and resolved.binary is not None:
+        run = runtime.active()
+        if resolved.name in NEURONCORE_V4_OPS and run is not None and run.target.generation < 4:
+            raise rule(instruction, role, f"nl.{resolved.name} needs NeuronCore-v4 (trn3)", target=run.target.name)
         return resolved
     raise _bad_op(instruction, role, op, "an ALU operator (nl.add, nl.multiply, nl.maximum, ...)")
 
