@@ -255,6 +255,8 @@ def dma_transpose(
                 shape=list(src.shape),
             )
     skip = oob_mode == _OOB.skip
+    if skip and src._indirect is None:  # the docstring: "Only valid when src uses indirect indexing"
+        raise rule(instr, "oob_mode", "skip is only valid when src uses indirect indexing", oob_mode=oob_mode.name)
     values, inside = _dma_read(src, instr, skip)
     values = np.transpose(values.reshape(src.shape), axes)
     if values.size != dst.size:

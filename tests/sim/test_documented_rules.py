@@ -110,6 +110,10 @@ def _gather(buffer, dge_mode=nisa.dge_mode.unknown):
     return body
 
 
+def _transpose(oob):
+    return lambda: nisa.dma_transpose(dst=sb((4, 8), nl.bfloat16), src=hbm((8, 4), nl.bfloat16), oob_mode=oob)
+
+
 CASES = [
     # (id, illegal, legal, target, error pattern)
     (
@@ -231,6 +235,15 @@ CASES = [
         _gather("hbm"),
         "trn2",
         r"nisa\.dma_copy: src: an indirect \(vector_offset\) access must index an HBM tensor \(buffer=sbuf\)",
+    ),
+    (
+        # nki/api/nki/isa/__init__.py, dma_transpose, ``oob_mode``: skip "Only valid when ``src``
+        # uses indirect indexing" (dma_copy's docs state no such limit, so it is not enforced there).
+        "dma-transpose-skip-without-indirect",
+        _transpose(nisa.oob_mode.skip),
+        _transpose(nisa.oob_mode.error),
+        "trn2",
+        r"nisa\.dma_transpose: oob_mode: skip is only valid when src uses indirect indexing \(oob_mode=skip\)",
     ),
     (
         # nki/api/nki/language/__init__.py, NkiTensor.broadcast: "On-chip tensors: dim must not be 0".
