@@ -110,8 +110,21 @@ def _gather(buffer, dge_mode=nisa.dge_mode.unknown):
     return body
 
 
-def _transpose(oob):
-    return lambda: nisa.dma_transpose(dst=sb((4, 8), nl.bfloat16), src=hbm((8, 4), nl.bfloat16), oob_mode=oob)
+def _transpose(oob=nisa.oob_mode.error, dge_mode=nisa.dge_mode.unknown, shape=(8, 4)):
+    def body():
+        src = hbm(shape, nl.bfloat16)
+        nisa.dma_transpose(dst=sb(shape[::-1], nl.bfloat16), src=src, oob_mode=oob, dge_mode=dge_mode)
+
+    return body
+
+
+def _gather_transpose(dge_mode):
+    def body():
+        rows = sb((16, 1), nl.uint32, value=1)
+        view = hbm((32, 8), nl.bfloat16).ap(pattern=[[8, 16], [1, 8]], offset=0, vector_offset=rows, indirect_dim=0)
+        nisa.dma_transpose(dst=sb((8, 16), nl.bfloat16), src=view, dge_mode=dge_mode)
+
+    return body
 
 
 CASES = [
@@ -244,6 +257,31 @@ CASES = [
         _transpose(nisa.oob_mode.error),
         "trn2",
         r"nisa\.dma_transpose: oob_mode: skip is only valid when src uses indirect indexing \(oob_mode=skip\)",
+    ),
+    (
+        # nki/api/nki/isa/__init__.py, dma_transpose, "DMA Direct Transpose Constraints": dge_mode
+        # unknown or hwdge; with hwdge a 2-D src has 16 rows and at most 128 columns.
+        "dma-transpose-direct-swdge",
+        _transpose(dge_mode=nisa.dge_mode.swdge),
+        _transpose(dge_mode=nisa.dge_mode.hwdge, shape=(16, 64)),
+        "trn2",
+        r"nisa\.dma_transpose: dge_mode: a direct transpose takes unknown or hwdge \(dge_mode=swdge\)",
+    ),
+    (
+        # ... a 3-D src has 1/2/4/8/16 rows with shape[0] * shape[-2] a multiple of 16.
+        "dma-transpose-hwdge-3d-rows",
+        _transpose(dge_mode=nisa.dge_mode.hwdge, shape=(3, 16, 8)),
+        _transpose(dge_mode=nisa.dge_mode.hwdge, shape=(2, 8, 8)),
+        "trn2",
+        r"nisa\.dma_transpose: src: a hardware-DGE transpose needs .* \(shape=\[3, 16, 8\]\)",
+    ),
+    (
+        # "DMA Indirect Transpose Constraints": dge_mode unknown or swdge, src on HBM.
+        "dma-transpose-indirect-hwdge",
+        _gather_transpose(nisa.dge_mode.hwdge),
+        _gather_transpose(nisa.dge_mode.swdge),
+        "trn2",
+        r"nisa\.dma_transpose: dge_mode: an indirect transpose takes unknown or swdge \(dge_mode=hwdge\)",
     ),
     (
         # nki/api/nki/language/__init__.py, NkiTensor.broadcast: "On-chip tensors: dim must not be 0".
