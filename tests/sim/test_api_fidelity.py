@@ -163,6 +163,21 @@ def test_while_loop_passes_the_condition_register_to_the_body():
     np.testing.assert_array_equal(kernel(count, val), np.full((1, 1), 7.5, np.float32))
 
 
+def test_fori_loop_takes_a_step():
+    """nki/api/nki/language/__init__.py: ``fori_loop(lower, upper, body_fun, step=1)``."""
+    seen = []
+
+    @nki.jit
+    def kernel(x):
+        nl.fori_loop(1, 8, seen.append, step=3)
+        with pytest.raises(sim.NkiValidationError, match=r"nl\.fori_loop: step: must be a compile-time positive"):
+            nl.fori_loop(0, 4, seen.append, step=0)
+        return _store(_load(x))
+
+    kernel(np.zeros((1, 1), np.float32))
+    assert seen == [1, 4, 7]
+
+
 def test_mean_keeps_fp32_intermediates():
     """nki/api/nki/language/__init__.py, mean: "Float32 intermediate values are used for the
     computation": the bf16 result is rounded once, from the fp32 mean."""
