@@ -242,18 +242,7 @@ def dma_transpose(
         raise rule(
             instr, "axes", "supported permutations are (1, 0), (2, 1, 0) and (3, 1, 2, 0)", axes=axes, src_ndim=src.ndim
         )
-    if dge_mode == _DGE.hwdge:
-        if not runtime.current().target.has_hwdge:
-            raise rule(
-                instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=runtime.current().target.name
-            )
-        if src.shape[0] != 16 or src.shape[-1] % 128:
-            raise rule(
-                instr,
-                "src",
-                "a hardware-DGE transpose needs src.shape[0] == 16 and src.shape[-1] % 128 == 0",
-                shape=list(src.shape),
-            )
+    _check_transpose_dge(instr, src, dge_mode, runtime.current().target)
     skip = oob_mode == _OOB.skip
     if skip and src._indirect is None:  # the docstring: "Only valid when src uses indirect indexing"
         raise rule(instr, "oob_mode", "skip is only valid when src uses indirect indexing", oob_mode=oob_mode.name)
@@ -283,6 +272,37 @@ def dma_transpose(
         contiguous_bytes=dtypes.itemsize(src.dtype),
         transpose=True,
     )
+
+
+def _check_transpose_dge(instr: str, src: Tensor, mode: dge_mode, target: Any) -> None:
+    """nki.isa.dma_transpose's docstring: a direct transpose runs on hardware DGE (or unknown), an
+    indirect one (a vector_offset src) on software DGE (or unknown), each with its own limits."""
+    if src._indirect is not None:
+        if mode not in (_DGE.unknown, _DGE.swdge):
+            raise rule(instr, "dge_mode", "an indirect transpose takes unknown or swdge", dge_mode=mode.name)
+        if src.buffer not in runtime.HBM_KINDS:
+            raise rule(instr, "src", "an indirect transpose gathers from HBM", buffer=src.buffer)
+        if target.generation < 3:
+            raise rule(instr, "src", "an indirect transpose needs NeuronCore-v3 or newer", target=target.name)
+        if src.shape[-1] > 128:
+            raise rule(instr, "src", "an indirect transpose moves at most 128 elements per row", shape=list(src.shape))
+        return
+    if mode not in (_DGE.unknown, _DGE.hwdge):
+        raise rule(instr, "dge_mode", "a direct transpose takes unknown or hwdge", dge_mode=mode.name)
+    if mode != _DGE.hwdge:
+        return
+    if not target.has_hwdge:
+        raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=target.name)
+    rows = src.shape[0]
+    legal_rows = rows == 16 if src.ndim == 2 else rows in (1, 2, 4, 8, 16) and rows * src.shape[-2] % 16 == 0
+    if not legal_rows or src.shape[-1] > 128:
+        raise rule(
+            instr,
+            "src",
+            "a hardware-DGE transpose needs src.shape[0] == 16 (2-D; 3-D/4-D: 1/2/4/8/16 with "
+            "shape[0] * shape[-2] a multiple of 16) and src.shape[-1] <= 128",
+            shape=list(src.shape),
+        )
 
 
 def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:

@@ -268,10 +268,13 @@ def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> range:
     return _range(start, stop, step)
 
 
-def fori_loop(lower: Any, upper: Any, body: Any) -> None:
-    """Run ``body(i)`` for ``i`` in ``[lower, upper)`` (NKI 0.6's dynamic loop)."""
-    for i in range(int(lower), int(upper)):
-        body(i)
+def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
+    """Run ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)``; bounds may be registers,
+    ``step`` is a compile-time positive integer."""
+    if not isinstance(step, (int, np.integer)) or step < 1:
+        raise rule("nl.fori_loop", "step", "must be a compile-time positive integer", step=step)
+    for i in range(int(lower), int(upper), int(step)):
+        body_fun(i)
 
 
 def while_loop(init: Any, body_fun: Any) -> None:
