@@ -165,8 +165,10 @@ def cast(values: np.ndarray, dtype: DType) -> np.ndarray:
         return values
     if is_int(dtype) and values.dtype.kind == "f":
         info = np.iinfo(target)
+        # Clip in float64, which holds every int32/uint32 bound exactly (in fp32, 2**31 - 1 rounds
+        # up to 2**31 and the cast would wrap to the other end of the range).
         with np.errstate(invalid="ignore"):
-            clipped = np.clip(np.rint(values), info.min, info.max)
+            clipped = np.clip(np.rint(values.astype(np.float64)), info.min, info.max)
         return np.nan_to_num(clipped, nan=0).astype(target)
     if dtype == bool_:
         return values != 0

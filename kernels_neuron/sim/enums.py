@@ -1,5 +1,9 @@
 """The enums of ``nki.isa`` (``nisa.engine``, ``nisa.reduce_cmd`` ...): instruction arguments that name an
-engine, a reduce command, a DMA mode or a NeuronCore generation."""
+engine, a reduce command, a DMA mode or a NeuronCore generation.
+
+Members carry the integer values AWS's ``nki.isa`` documents (``engine.tensor`` is 1,
+``engine.unknown`` 0, ``nc_version.gen3`` 3), so ``nisa.engine(1)`` is the Tensor Engine as in NKI.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +12,25 @@ import functools
 
 
 class _NkiEnum(enum.Enum):
-    """An NKI enum that also accepts its member's name (any case) or declaration index."""
+    """An NKI enum that also accepts its member's name, in any case (``dge_mode="hwdge"``)."""
 
     @classmethod
     def _missing_(cls, value: object):
-        members = list(cls)
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(members):
-            return members[value]
         if isinstance(value, str):
-            for member in members:
+            for member in cls:
                 if member.name == value.lower():
                     return member
         return None
 
 
 class engine(_NkiEnum):
-    tensor = "tensor"
-    vector = "vector"
-    scalar = "scalar"
-    gpsimd = "gpsimd"
-    dma = "dma"
-    sync = "sync"
-    unknown = "unknown"
+    unknown = 0
+    tensor = 1
+    scalar = 2
+    gpsimd = 3
+    dma = 4
+    vector = 5
+    sync = 6
 
 
 tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
@@ -42,23 +43,23 @@ tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
 
 
 class reduce_cmd(_NkiEnum):
-    idle = "idle"
-    reset = "reset"
-    reduce = "reduce"
-    reset_reduce = "reset_reduce"
-    load_reduce = "load_reduce"
+    idle = 0
+    reset = 1
+    reduce = 2
+    reset_reduce = 3
+    load_reduce = 4
 
 
 class dge_mode(_NkiEnum):
-    unknown = "unknown"
-    swdge = "swdge"
-    hwdge = "hwdge"
-    none = "none"
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
 
 
 class oob_mode(_NkiEnum):
-    error = "error"
-    skip = "skip"
+    error = 0
+    skip = 1
 
 
 class matmul_perf_mode(_NkiEnum):
@@ -68,16 +69,16 @@ class matmul_perf_mode(_NkiEnum):
 
 @functools.total_ordering
 class nc_version(_NkiEnum):
-    gen2 = "gen2"
-    gen3 = "gen3"
-    gen4 = "gen4"
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
 
     def __lt__(self, other: object) -> bool:
         if not isinstance(other, nc_version):
             return NotImplemented
-        return int(self.value[3:]) < int(other.value[3:])
+        return self.value < other.value
 
 
 class dma_engine(_NkiEnum):
-    dma = "dma"
-    gpsimd_dma = "gpsimd_dma"
+    dma = 1
+    gpsimd_dma = 2

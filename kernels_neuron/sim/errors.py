@@ -21,6 +21,11 @@ class CapacityWarning(UserWarning):
     """Like :class:`CapacityError`, raised as a warning when the kernel asked for warnings."""
 
 
+class AccumulateUninitializedWarning(UserWarning):
+    """``nc_matmul(accumulate=True)`` onto PSUM no instruction has written: undefined on hardware,
+    warned about as AWS's simulator does."""
+
+
 class SimulatorUnsupported(NotImplementedError):
     """A documented NKI API that this simulator does not execute (named in the message)."""
 

@@ -8,6 +8,7 @@ the run's trace.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ from .enums import (  # noqa: F401
     unknown_engine,
     vector_engine,
 )
-from .errors import NkiValidationError, rule, unsupported
+from .errors import AccumulateUninitializedWarning, NkiValidationError, rule, unsupported
 from .ops import ALL as _OPS
 from .ops import BYPASS, Op, as_activation, as_alu
 from .tensor import Tensor
@@ -147,8 +148,10 @@ def dma_copy(
     dge_mode, oob_mode = _DGE(dge_mode), _OOB(oob_mode)
     dst, src = operands.tile(dst, instr, "dst"), operands.tile(src, instr, "src")
     run = runtime.current()
+    queue = _hwdge_engine(instr, engine, dge_mode)
     for role, t in (("dst", dst), ("src", src)):
         operands.where(t, instr, role, ("hbm", "sbuf"))
+        _check_indirect_dma(instr, role, t, dge_mode)
         if t.on_chip and t.partition_size > run.target.partitions:
             raise rule(instr, role, "partition dim exceeds the partition count", partitions=t.partition_size)
     if dst.size != src.size:
@@ -179,8 +182,34 @@ def dma_copy(
         partitions=parts,
         bytes_per_partition=dst.nbytes // max(parts, 1),
         contiguous_bytes=_contiguous_bytes(hbm_side) if hbm_side._indirect is None else dtypes.itemsize(hbm_side.dtype),
-        dge_mode=dge_mode.value,
+        dge_mode=dge_mode.name,
+        dge_engine=queue,
     )
+
+
+def _hwdge_engine(instr: str, requested: Any, mode: dge_mode) -> str:
+    """dma_copy's ``engine=``: the sequencer (sync or scalar) that drives hardware DGE, only with
+    ``dge_mode=hwdge`` (nki.isa.dma_copy's docstring, ``engine`` parameter)."""
+    name = engine(requested if requested is not None else engine.unknown).name
+    if name == "unknown":
+        return name
+    if mode != _DGE.hwdge:
+        raise rule(instr, "engine", "only valid with dge_mode=hwdge", engine=name, dge_mode=mode.name)
+    if name not in ("sync", "scalar"):
+        raise rule(instr, "engine", "hardware DGE is driven by the sync or scalar engine", engine=name)
+    return name
+
+
+def _check_indirect_dma(instr: str, role: str, t: Tensor, mode: dge_mode) -> None:
+    """Gather/scatter (a vector_offset access pattern) is software DGE work on an HBM tensor
+    (nki.isa.dma_copy's docstring: "When sw_dge is selected ... gather or scatter";
+    "The tensor being indexed ... must be in HBM")."""
+    if t._indirect is None:
+        return
+    if t.buffer not in runtime.HBM_KINDS:
+        raise rule(instr, role, "an indirect (vector_offset) access must index an HBM tensor", buffer=t.buffer)
+    if mode not in (_DGE.swdge, _DGE.unknown):
+        raise rule(instr, "dge_mode", "indirect (vector_offset) access needs software DGE", dge_mode=mode.name)
 
 
 _DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
@@ -213,19 +242,10 @@ def dma_transpose(
         raise rule(
             instr, "axes", "supported permutations are (1, 0), (2, 1, 0) and (3, 1, 2, 0)", axes=axes, src_ndim=src.ndim
         )
-    if dge_mode == _DGE.hwdge:
-        if not runtime.current().target.has_hwdge:
-            raise rule(
-                instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=runtime.current().target.name
-            )
-        if src.shape[0] != 16 or src.shape[-1] % 128:
-            raise rule(
-                instr,
-                "src",
-                "a hardware-DGE transpose needs src.shape[0] == 16 and src.shape[-1] % 128 == 0",
-                shape=list(src.shape),
-            )
+    _check_transpose_dge(instr, src, dge_mode, runtime.current().target)
     skip = oob_mode == _OOB.skip
+    if skip and src._indirect is None:  # the docstring: "Only valid when src uses indirect indexing"
+        raise rule(instr, "oob_mode", "skip is only valid when src uses indirect indexing", oob_mode=oob_mode.name)
     values, inside = _dma_read(src, instr, skip)
     values = np.transpose(values.reshape(src.shape), axes)
     if values.size != dst.size:
@@ -252,6 +272,37 @@ def dma_transpose(
         contiguous_bytes=dtypes.itemsize(src.dtype),
         transpose=True,
     )
+
+
+def _check_transpose_dge(instr: str, src: Tensor, mode: dge_mode, target: Any) -> None:
+    """nki.isa.dma_transpose's docstring: a direct transpose runs on hardware DGE (or unknown), an
+    indirect one (a vector_offset src) on software DGE (or unknown), each with its own limits."""
+    if src._indirect is not None:
+        if mode not in (_DGE.unknown, _DGE.swdge):
+            raise rule(instr, "dge_mode", "an indirect transpose takes unknown or swdge", dge_mode=mode.name)
+        if src.buffer not in runtime.HBM_KINDS:
+            raise rule(instr, "src", "an indirect transpose gathers from HBM", buffer=src.buffer)
+        if target.generation < 3:
+            raise rule(instr, "src", "an indirect transpose needs NeuronCore-v3 or newer", target=target.name)
+        if src.shape[-1] > 128:
+            raise rule(instr, "src", "an indirect transpose moves at most 128 elements per row", shape=list(src.shape))
+        return
+    if mode not in (_DGE.unknown, _DGE.hwdge):
+        raise rule(instr, "dge_mode", "a direct transpose takes unknown or hwdge", dge_mode=mode.name)
+    if mode != _DGE.hwdge:
+        return
+    if not target.has_hwdge:
+        raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=target.name)
+    rows = src.shape[0]
+    legal_rows = rows == 16 if src.ndim == 2 else rows in (1, 2, 4, 8, 16) and rows * src.shape[-2] % 16 == 0
+    if not legal_rows or src.shape[-1] > 128:
+        raise rule(
+            instr,
+            "src",
+            "a hardware-DGE transpose needs src.shape[0] == 16 (2-D; 3-D/4-D: 1/2/4/8/16 with "
+            "shape[0] * shape[-2] a multiple of 16) and src.shape[-1] <= 128",
+            shape=list(src.shape),
+        )
 
 
 def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:
@@ -297,10 +348,8 @@ def tensor_copy_predicated(
     instr = "nisa.tensor_copy_predicated"
     dst = operands.compute_tile(dst, instr, "dst", "vector")
     predicate = operands.compute_tile(predicate, instr, "predicate", "vector")
-    if not operands.is_int(predicate):
-        raise rule(
-            instr, "predicate", "must be an integer tile (uint8/uint16/uint32)", dtype=dtypes.name(predicate.dtype)
-        )
+    if dtypes.name(predicate.dtype) not in ("uint8", "uint16", "uint32"):  # the docstring's constraint 2
+        raise rule(instr, "predicate", "must be uint8, uint16 or uint32", dtype=dtypes.name(predicate.dtype))
     operands.same_layout(instr, "dst", dst, "predicate", predicate)
     if isinstance(src, Tensor):
         src = operands.compute_tile(src, instr, "src", "vector")
@@ -476,16 +525,19 @@ def nc_matmul(
     else:
         with np.errstate(all="ignore"):
             product = st.T.astype(np.float32, copy=False) @ mv.astype(np.float32, copy=False)
+    writers = dst.psum_writers().reshape(m, n)
     if accumulate is None:
-        add = dst.was_written().reshape(m, n)
+        add = writers != runtime.PSUM_UNWRITTEN
     else:
         add = np.full((m, n), bool(accumulate))
+    if add.any():
+        _check_accumulation(instr, writers[add], bool(accumulate), target)
     result = product
     if add.any():
         previous = dtypes.to_engine(np.asarray(dst.read())).reshape(m, n)
         with np.errstate(all="ignore"):
             result = np.where(add, previous + product, product)
-    dst.write(result.reshape(dst.shape), instr)
+    dst.write(result.reshape(dst.shape), instr, runtime.PSUM_BY_MATMUL)
     reads = [("stationary", stationary), ("moving", moving)]
     if add.any():
         reads.append(("dst_in", dst))
@@ -505,6 +557,25 @@ def nc_matmul(
         row_size=row_size,
         transpose=bool(is_transpose),
     )
+
+
+def _check_accumulation(instr: str, writers: np.ndarray, explicit: bool, target: Any) -> None:
+    """The accumulation rules of nki.isa.nc_matmul's docstring ("Accumulation mode")."""
+    if explicit and (writers == runtime.PSUM_UNWRITTEN).any():
+        warnings.warn(
+            f"{instr}: accumulate=True onto PSUM that no matmul has written is undefined behaviour on "
+            "every target; start the group with accumulate=False",
+            AccumulateUninitializedWarning,
+            stacklevel=3,
+        )
+    if target.generation < 4 and (writers == runtime.PSUM_BY_OTHER).any():
+        raise rule(
+            instr,
+            "dst",
+            "accumulating onto PSUM written by a non-matmul instruction (memset, tensor_copy, ...) is "
+            "undefined on NeuronCore-v2/v3; start the group with accumulate=False",
+            target=target.name,
+        )
 
 
 def nc_transpose(dst: Tensor, data: Tensor, engine: engine = engine.unknown, name: str | None = None) -> None:
@@ -532,7 +603,8 @@ def nc_transpose(dst: Tensor, data: Tensor, engine: engine = engine.unknown, nam
     if dst.partition_size != f or dst.free_size != p:
         raise rule(instr, "dst", "must be the transposed shape of data", dst=list(dst.shape), expected=[f, p])
     values = np.asarray(data.read()).reshape(p, f).T
-    dst.write(values.reshape(dst.shape), instr)
+    # TensorE transposes through a matmul against an identity, so its result starts a PSUM group.
+    dst.write(values.reshape(dst.shape), instr, runtime.PSUM_BY_MATMUL if eng == "tensor" else runtime.PSUM_BY_OTHER)
     run = runtime.current()
     flops = 2 * p * p * f if eng == "tensor" else 0
     run.record(
@@ -764,12 +836,32 @@ def _reduce(op: Op, values: np.ndarray, axis: int = -1) -> np.ndarray:
     return result
 
 
+# The "Legal Reduction op" column of the operator table (nki.api.shared.rst).
+LEGAL_REDUCE_OPS = frozenset(
+    {
+        "bitwise_and",
+        "bitwise_or",
+        "bitwise_xor",
+        "add",
+        "subtract",
+        "multiply",
+        "maximum",
+        "minimum",
+        "logical_and",
+        "logical_or",
+        "logical_xor",
+    }
+)
+
+
 def tensor_reduce(
     dst: Tensor, op: Any, data: Tensor, axis: Any, negate: bool = False, keepdims: bool = False, name: str | None = None
 ) -> None:
     """Reduce the trailing free axes of ``data`` on VectorE (optionally negated)."""
     instr = "nisa.tensor_reduce"
     alu = as_alu(op, instr)
+    if alu.name not in LEGAL_REDUCE_OPS:
+        raise rule(instr, "op", "not a legal reduction operator", op=alu.name, legal="/".join(sorted(LEGAL_REDUCE_OPS)))
     dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
     axes = tuple(sorted(int(a) % data.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])))
     if 0 in axes:
@@ -929,6 +1021,19 @@ def tensor_tensor_scan(
     )
 
 
+# nki.isa.tensor_scalar_cumulative's docstring: "restricted to BF16, FP16, FP32, FP8, UINT8, UINT16, INT8, INT16".
+_CUMULATIVE_DTYPES = {
+    "bfloat16",
+    "float16",
+    "float32",
+    *(dtypes.name(d) for d in dtypes.FP8),
+    "uint8",
+    "uint16",
+    "int8",
+    "int16",
+}
+
+
 def tensor_scalar_cumulative(
     dst: Tensor,
     src: Tensor,
@@ -946,6 +1051,11 @@ def tensor_scalar_cumulative(
         raise rule(instr, "op1", "must be add, subtract, multiply, maximum or minimum", op=second.name)
     dst, src = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(src, instr, "src", "vector")
     operands.same_layout(instr, "dst", dst, "src", src)
+    for role, t in (("src", src), ("dst", dst)):
+        if dtypes.name(t.dtype) not in _CUMULATIVE_DTYPES:
+            raise rule(
+                instr, role, "dtype not supported (int32/uint32 are an ISA limitation)", dtype=dtypes.name(t.dtype)
+            )
     parts = src.partition_size
     run = runtime.current()
     lanes = run.vector_accumulator[:parts]
@@ -983,6 +1093,10 @@ def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, 
     with np.errstate(over="ignore", invalid="ignore"):  # masked logits (-3.4e38) scale to -inf, as in fp32 hardware
         x = x * np.float32(1.0) * operands.scalar_or_vector(scale, instr, "scale", parts, "scalar")
     if bias is not None:
+        if op.name == "reciprocal" and run.target.generation == 2:  # nki.api.shared.rst, engine selection
+            raise rule(
+                instr, "bias", "activation(op=nl.reciprocal) takes no bias on NeuronCore-v2", target=run.target.name
+            )
         if not isinstance(bias, Tensor) and not run.target.bias_scalar_allowed:
             raise rule(instr, "bias", "NeuronCore-v2 takes bias only as a (P, 1) vector", target=run.target.name)
         if isinstance(bias, Tensor) and dtypes.name(bias.dtype) == "tfloat32":
@@ -1235,6 +1349,9 @@ def range_select(
         raise rule(instr, "on_true_tile", "must be a float tile", dtype=dtypes.name(on_true_tile.dtype))
     operands.same_layout(instr, "dst", dst, "on_true_tile", on_true_tile)
     parts = on_true_tile.partition_size
+    for role, bound in (("bound0", bound0), ("bound1", bound1)):
+        if isinstance(bound, Tensor) and dtypes.name(bound.dtype) != "float32":  # "must be FP32 types"
+            raise rule(instr, role, "must be float32", dtype=dtypes.name(bound.dtype))
     b0 = operands.scalar_or_vector(bound0, instr, "bound0", parts, "vector")
     b1 = operands.scalar_or_vector(bound1, instr, "bound1", parts, "vector")
     index = (int(range_start) + np.arange(on_true_tile.free_size, dtype=np.float32))[None, :]
@@ -1276,8 +1393,8 @@ def select_reduce(
     operands.not_both_psum(instr, "on_true", on_true, "predicate", predicate)
     if dtypes.name(on_true.dtype) in ("tfloat32", "int32", "uint32"):
         raise rule(instr, "on_true", "tfloat32/int32/uint32 are not supported", dtype=dtypes.name(on_true.dtype))
-    if not operands.is_int(predicate):
-        raise rule(instr, "predicate", "must be an integer tile", dtype=dtypes.name(predicate.dtype))
+    if dtypes.name(predicate.dtype) not in ("int8", "uint8", "int16", "uint16"):  # the docstring's dtype list
+        raise rule(instr, "predicate", "must be int8, uint8, int16 or uint16", dtype=dtypes.name(predicate.dtype))
     parts = on_true.partition_size
     fallback = operands.scalar_or_vector(on_false, instr, "on_false", parts, "vector")
     mask = operands.rows(predicate) != 0
@@ -1313,9 +1430,20 @@ def max8(dst: Tensor, src: Tensor, name: str | None = None) -> None:
     runtime.current().record("vector", "max8", reads=[("src", src)], writes=[("dst", dst)])
 
 
-def _find_first(data: np.ndarray, vals: np.ndarray) -> np.ndarray:
-    hits = data[:, None, :] == vals[:, :, None]
-    return np.where(hits.any(axis=2), hits.argmax(axis=2), 0)
+def _pair_occurrences(data: np.ndarray, vals: np.ndarray, order: Sequence[int]) -> np.ndarray:
+    """Per partition, the position in ``data`` of each of ``vals`` (-1 where none is left), taking
+    ``vals`` in ``order`` and giving each the first occurrence no earlier value has claimed: a value
+    repeated in ``vals`` (max8 of a row with a repeated maximum) gets a distinct occurrence each time."""
+    claimed = np.zeros(data.shape, dtype=bool)
+    index = np.full(vals.shape, -1, dtype=np.int64)
+    lanes = np.arange(data.shape[0])
+    for j in order:
+        hits = (data == vals[:, j : j + 1]) & ~claimed
+        found = hits.any(axis=1)
+        first = hits.argmax(axis=1)
+        index[:, j] = np.where(found, first, -1)
+        claimed[lanes[found], first[found]] = True
+    return index
 
 
 def nc_find_index8(dst: Tensor, data: Tensor, vals: Tensor, name: str | None = None) -> None:
@@ -1331,10 +1459,15 @@ def nc_find_index8(dst: Tensor, data: Tensor, vals: Tensor, name: str | None = N
         raise rule(instr, "dst", "must be uint16 or uint32", dtype=dtypes.name(dst.dtype))
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
-    found = _find_first(
-        operands.rows(data).astype(np.float32, copy=False), operands.rows(vals).astype(np.float32, copy=False)
+    # Duplicates in vals take successive occurrences in ascending order; a value not found gets the
+    # all-ones sentinel of dst's dtype (nki.isa.nc_find_index8's docstring).
+    found = _pair_occurrences(
+        operands.rows(data).astype(np.float32, copy=False),
+        operands.rows(vals).astype(np.float32, copy=False),
+        range(8),
     )
-    dst.write(found.reshape(dst.shape), instr)
+    sentinel = np.iinfo(dtypes.storage(dst.dtype)).max
+    dst.write(np.where(found < 0, sentinel, found).reshape(dst.shape), instr)
     runtime.current().record("vector", "nc_find_index8", reads=[("data", data), ("vals", vals)], writes=[("dst", dst)])
 
 
@@ -1352,17 +1485,13 @@ def nc_match_replace8(
     if vals.free_size != 8 or vals.partition_size != data.partition_size:
         raise rule(instr, "vals", "must hold 8 values per partition", shape=list(vals.shape))
     rows = operands.rows(data).astype(np.float32, copy=False).copy()
-    targets = operands.rows(vals).astype(np.float32, copy=False)
-    index = np.zeros(targets.shape, dtype=np.int64)
-    lanes = np.arange(rows.shape[0])
-    # One value at a time, each searching the row as already replaced: a value repeated in
-    # ``vals`` (max8 of a row with a repeated maximum) consumes a distinct occurrence each time.
-    for j in range(targets.shape[1]):
-        hits = rows == targets[:, j : j + 1]
-        found = hits.any(axis=1)
-        first = hits.argmax(axis=1)
-        index[:, j] = np.where(found, first, 0)
-        rows[lanes[found], first[found]] = np.float32(imm)
+    # vals are processed from the last to the first (nki.isa.nc_match_replace8's docstring), so of
+    # repeated vals the last one takes the first occurrence: data [1, 2, 3, 4, 8 x 7] with vals
+    # [3, 8 x 7] gives dst_idx [2, 10, 9, 8, 7, 6, 5, 4].
+    found = _pair_occurrences(rows, operands.rows(vals).astype(np.float32, copy=False), range(7, -1, -1))
+    lanes, slots = np.nonzero(found >= 0)
+    rows[lanes, found[lanes, slots]] = np.float32(imm)
+    index = np.maximum(found, 0)  # the docs name no index for an unmatched value: 0
     dst.write(rows.reshape(dst.shape), instr)
     if dst_idx is not None:
         dst_idx = operands.compute_tile(dst_idx, instr, "dst_idx", "vector")
@@ -1408,6 +1537,20 @@ def nc_stream_shuffle(dst: Tensor, src: Tensor, shuffle_mask: Sequence[int], nam
     dst, src = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(src, instr, "src", "vector")
     if dst.dtype != src.dtype or dst.free_size != src.free_size:
         raise rule(instr, "dst", "must match src's dtype and elements per partition")
+    # Both starts follow the alignment of the active partitions of the larger side, rounded up to
+    # whole quadrants (nki.isa.nc_stream_shuffle's docstring, constraint 3).
+    active = -(-max(src.partition_size, dst.partition_size) // 32) * 32
+    starts = (0,) if active > 64 else (0, 64) if active > 32 else (0, 32, 64, 96)
+    for role, t in (("src", src), ("dst", dst)):
+        if t.start_partition not in starts:
+            raise rule(
+                instr,
+                role,
+                f"with {active} active partitions the start partition must be one of {starts}",
+                start_partition=t.start_partition,
+                src_partitions=src.partition_size,
+                dst_partitions=dst.partition_size,
+            )
     mask = [int(m) for m in shuffle_mask]
     if len(mask) != 32:
         raise rule(instr, "shuffle_mask", "must have 32 entries", length=len(mask))

@@ -47,6 +47,7 @@ def compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str]
     parts = t.partition_size
     if parts > PE_ARRAY:  # every generation has 128 partitions
         raise rule(instr, role, "partition dim exceeds the partition count", partitions=parts, limit=PE_ARRAY)
+    # Start partitions by access size: trainium_inferentia2_arch.rst, "start_partition must be ...".
     start = t.start_partition
     if parts > 64 and start != 0:
         raise rule(
@@ -64,11 +65,11 @@ def compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str]
             start_partition=start,
             partitions=parts,
         )
-    if parts <= 32 and start % 32 and start // 32 != (start + parts - 1) // 32:
+    if parts <= 32 and start % 32:
         raise rule(
             instr,
             role,
-            "an access over at most 32 partitions must stay within one 32-partition quadrant",
+            "an access over at most 32 partitions must start at partition 0, 32, 64 or 96",
             start_partition=start,
             partitions=parts,
         )
@@ -141,7 +142,7 @@ def scalar_or_vector(x: Any, instr: str, role: str, parts: int, eng: str) -> np.
 
 
 def engine_for(requested: Any, instr: str, allowed: Sequence[str], default: str) -> str:
-    name = engine(requested if requested is not None else "unknown").value
+    name = engine(requested if requested is not None else "unknown").name
     if name == "unknown":
         return default
     if name not in allowed:

@@ -17,7 +17,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from . import dtypes, frontend
 from .errors import NkiValidationError, rule
-from .runtime import Buffer, region_of
+from .runtime import PSUM_BY_OTHER, PSUM_UNWRITTEN, Buffer, region_of
 from .trace import Region
 
 
@@ -203,8 +203,9 @@ class Tensor:
         """The stored values (a view; engines widen them before arithmetic)."""
         return self._view
 
-    def write(self, values: np.ndarray, instruction: str = "write") -> None:
-        """Round ``values`` to this tensor's dtype and store them, shape-matched per partition."""
+    def write(self, values: np.ndarray, instruction: str = "write", psum_writer: int = PSUM_BY_OTHER) -> None:
+        """Round ``values`` to this tensor's dtype and store them, shape-matched per partition
+        (``psum_writer`` records, for PSUM, which kind of instruction wrote them)."""
         values = np.asarray(values)
         if values.size != self.size:
             raise rule(
@@ -219,13 +220,17 @@ class Tensor:
         self._view[...] = dtypes.cast(values, self._dtype).reshape(self.shape)
         written = self._buf.written
         if written is not None:
-            self._written_view(written)[...] = True
+            self._written_view(written)[...] = psum_writer
 
     def _written_view(self, written: np.ndarray) -> np.ndarray:
         return _same_view(written, self._buf.data, self._view)
 
     def was_written(self) -> np.ndarray:
         """For PSUM tiles: which elements some instruction has written."""
+        return self.psum_writers() != PSUM_UNWRITTEN
+
+    def psum_writers(self) -> np.ndarray:
+        """For PSUM tiles: what last wrote each element (``runtime.PSUM_UNWRITTEN`` / ``_BY_MATMUL`` / ``_BY_OTHER``)."""
         written = self._buf.written
         if written is None:
             raise TypeError("only PSUM tensors track writes")
@@ -330,6 +335,16 @@ class Tensor:
     def broadcast_to(self, shape: Sequence[int]) -> Tensor:
         self._direct("broadcast_to")
         shape = tuple(int(s) for s in shape)
+        if self.on_chip and (len(shape) != self.ndim or shape[0] != self.shape[0]):
+            # nki.language NkiTensor.broadcast: "On-chip tensors: dim must not be 0 (partition dim)";
+            # an engine reads each partition from its own lane, so a view cannot repeat one.
+            raise rule(
+                "broadcast",
+                repr(self),
+                "the partition dim (0) of an on-chip tensor cannot be broadcast",
+                shape=list(self.shape),
+                to=list(shape),
+            )
         try:
             view = np.broadcast_to(self._view, shape)
         except ValueError as exc:
@@ -535,9 +550,13 @@ class Tensor:
     __hash__ = object.__hash__
 
     def __eq__(self, other: object):  # NKI tiles compare element-wise, like NumPy
+        if other is None:  # a Python-level check of an optional argument in NKI's front end
+            return False
         return self._binary(other, "equal")
 
     def __ne__(self, other: object):
+        if other is None:
+            return True
         return self._binary(other, "not_equal")
 
     def __bool__(self) -> bool:
@@ -565,7 +584,9 @@ def _checked_slice(k: slice, n: int, dim: int, tensor: Tensor) -> slice:
         stop += n
     if not (0 <= start <= n and 0 <= stop <= n):
         raise IndexError(f"slice {start}:{stop} is out of bounds for dim {dim} of size {n} in {tensor!r}")
-    return slice(start, max(start, stop), step)
+    if start >= stop:  # NkiTensor.slice: "0 <= start < end <= t.shape[dim]"
+        raise IndexError(f"slice {start}:{stop} of dim {dim} in {tensor!r} is empty: start must be below end")
+    return slice(start, stop, step)
 
 
 def _shape_arg(args: tuple) -> tuple[int, ...]:

@@ -351,10 +351,11 @@ def _loops(x):
     nl.fori_loop(0, 3, lambda i: nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=1.0))
     remaining = [2]
 
-    def body():
+    def body(r):
         nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
         remaining[0] -= 1
-        return remaining[0]
+        nisa.register_move(r, remaining[0])
+        return r
 
     nl.while_loop(nisa.register_alloc(1), body)
     out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)

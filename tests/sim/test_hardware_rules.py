@@ -113,7 +113,7 @@ VIOLATIONS = [
         "align-16-crossing-quadrant",
         lambda: nisa.activation(sb((16, 8)), nl.exp, sb((128, 8))[24:40]),
         "trn2",
-        r"nisa\.activation: data: an access over at most 32 partitions must stay within one 32-partition quadrant "
+        r"nisa\.activation: data: an access over at most 32 partitions must start at partition 0, 32, 64 or 96 "
         r"\(start_partition=24, partitions=16\)",
     ),
     (
@@ -849,8 +849,8 @@ VIOLATIONS += [
         "dma-transpose-hwdge-shape",
         lambda: nisa.dma_transpose(sb((64, 8), BF16), hbm((8, 64), BF16), dge_mode=nisa.dge_mode.hwdge),
         "trn2",
-        r"nisa\.dma_transpose: src: a hardware-DGE transpose needs src\.shape\[0\] == 16 and "
-        r"src\.shape\[-1\] % 128 == 0 \(shape=\[8, 64\]\)",
+        r"nisa\.dma_transpose: src: a hardware-DGE transpose needs src\.shape\[0\] == 16 \(2-D; .*\) and "
+        r"src\.shape\[-1\] <= 128 \(shape=\[8, 64\]\)",
     ),
     (
         "dma-compute-op",
@@ -893,8 +893,7 @@ VIOLATIONS += [
         "predicated-copy-float-predicate",
         lambda: nisa.tensor_copy_predicated(sb((128, 8)), sb((128, 8)), sb((128, 8))),
         "trn2",
-        r"nisa\.tensor_copy_predicated: predicate: must be an integer tile \(uint8/uint16/uint32\) "
-        r"\(dtype=float32\)",
+        r"nisa\.tensor_copy_predicated: predicate: must be uint8, uint16 or uint32 \(dtype=float32\)",
     ),
     (
         "predicated-copy-dtype",
@@ -969,7 +968,7 @@ VIOLATIONS += [
         "select-reduce-float-predicate",
         lambda: nisa.select_reduce(sb((128, 8)), sb((128, 8)), sb((128, 8)), 0.0),
         "trn2",
-        r"nisa\.select_reduce: predicate: must be an integer tile \(dtype=float32\)",
+        r"nisa\.select_reduce: predicate: must be int8, uint8, int16 or uint16 \(dtype=float32\)",
     ),
     (
         "max8-too-few",
@@ -1118,16 +1117,19 @@ def test_violation_ids_are_unique():
         (0, 32, True),
         (32, 32, True),
         (96, 1, True),
-        (16, 16, True),
-        (40, 24, True),
-        (33, 31, True),
+        (64, 17, True),
+        (16, 16, False),  # inside one quadrant, but <= 32 partitions start at 0/32/64/96 only
+        (40, 24, False),
+        (33, 31, False),
         (24, 16, False),
         (1, 32, False),
         (40, 25, False),
-        (127, 1, True),
+        (127, 1, False),
     ],
 )
 def test_start_partition_alignment_table(start, size, legal):
+    """trainium_inferentia2_arch.rst: > 64 partitions start at 0; 33-64 at 0 or 64; <= 32 at 0/32/64/96."""
+
     def body():
         tile = sb((128, 4))
         nisa.memset(tile, 0.0)

@@ -31,7 +31,14 @@ import os
 import sys
 
 from . import isa, language
-from .errors import CapacityError, CapacityWarning, NkiValidationError, NoActiveKernel, SimulatorUnsupported
+from .errors import (
+    AccumulateUninitializedWarning,
+    CapacityError,
+    CapacityWarning,
+    NkiValidationError,
+    NoActiveKernel,
+    SimulatorUnsupported,
+)
 from .jit import Kernel, SimResult, capture, jit, run, simulate
 from .targets import TARGETS, Target
 from .trace import Instruction, Region, Trace
@@ -55,6 +62,7 @@ __all__ = [
     "NkiValidationError",
     "CapacityError",
     "CapacityWarning",
+    "AccumulateUninitializedWarning",
     "SimulatorUnsupported",
     "NoActiveKernel",
     "isa",

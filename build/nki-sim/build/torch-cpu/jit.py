@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import sys
 import threading
 import types
@@ -105,17 +106,19 @@ def run(
     grid: Any = None,
     capacity: str = "error",
     seed: int = 0,
+    strict_lnc: bool | None = None,
     **kwargs: Any,
 ) -> SimResult:
     """Simulate one launch and return its outputs together with its trace.
 
     ``target`` is "trn1", "trn2" (default) or "trn3" (else ``NEURON_PLATFORM_TARGET_OVERRIDE``);
-    ``capacity="warn"`` turns SBUF/PSUM overflow errors into warnings.
+    ``capacity="warn"`` turns SBUF/PSUM overflow errors into warnings; ``strict_lnc=True`` (or
+    ``KERNELS_NEURON_STRICT_LNC=1``) accepts only the launch brackets NKI documents, ``[1]`` and ``[2]``.
     """
     k = simulate(kernel)
     if grid is not None:
         k = k[grid]
-    return launch(k, args, kwargs, target=target, capacity=capacity, seed=seed)
+    return launch(k, args, kwargs, target=target, capacity=capacity, seed=seed, strict_lnc=strict_lnc)
 
 
 class capture:
@@ -133,6 +136,20 @@ class capture:
         _captures.stack.remove(self.traces)
 
 
+STRICT_LNC_ENV = "KERNELS_NEURON_STRICT_LNC"
+
+
+def _check_lnc_bracket(kernel: Kernel) -> None:
+    """NKI's launch bracket holds one number, the LNC degree: 1 or 2 (lnc.rst, "Launching a kernel
+    on multiple cores"). Wider or multi-dimensional SPMD grids are this simulator's extension."""
+    grid = kernel.grid
+    if grid is not None and (len(grid) != 1 or grid[0] not in (1, 2)):
+        raise NkiValidationError(
+            f"{kernel!r}: launch bracket: NKI takes one LNC degree, 1 or 2 (grid={list(grid)}); SPMD grids of "
+            f"any shape are a kernels-neuron simulator extension, available without strict_lnc / {STRICT_LNC_ENV}"
+        )
+
+
 def launch(
     kernel: Kernel,
     args: tuple,
@@ -141,7 +158,12 @@ def launch(
     target: str | Target | None = None,
     capacity: str = "error",
     seed: int = 0,
+    strict_lnc: bool | None = None,
 ) -> SimResult:
+    if strict_lnc is None:
+        strict_lnc = os.environ.get(STRICT_LNC_ENV, "") not in ("", "0")
+    if strict_lnc:
+        _check_lnc_bracket(kernel)
     chosen = resolve(target)
     torch_in = any(_is_torch(a) for a in itertools.chain(args, kwargs.values()))
     trace = Trace(chosen.name, kernel=getattr(kernel.func, "__name__", ""))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -51,7 +52,57 @@ _BUFFERS = (sbuf, psum, hbm, private_hbm, shared_hbm)
 
 
 class NKIObject:
-    """Base class for user objects passed through NKI kernels (carries no behaviour here)."""
+    """Base class for user classes in NKI kernels. As in NKI, every subclass behaves like a dataclass
+    with or without ``@dataclass`` (nki-language-guide.rst, "Class Support"): without an ``__init__``
+    of its own it takes its fields (annotated names, then plain class attributes) by position or
+    keyword, a field not given keeps its class default (or None), then
+    ``__post_init__`` runs if defined; equality compares fields, as NKI's is structural."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        fields = _nki_fields(type(self))
+        if len(args) > len(fields):
+            raise TypeError(f"{type(self).__name__}() takes at most {len(fields)} positional fields, got {len(args)}")
+        given = dict(zip(fields, args))
+        for key, value in kwargs.items():
+            if key not in fields:
+                raise TypeError(f"{type(self).__name__}() has no field {key!r}; fields: {list(fields)}")
+            if key in given:
+                raise TypeError(f"{type(self).__name__}() got field {key!r} twice")
+            given[key] = value
+        for field, default in fields.items():
+            setattr(self, field, given.get(field, default))
+        post_init = getattr(self, "__post_init__", None)
+        if post_init is not None:
+            post_init()
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({inner})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable and compared by value, like a dataclass
+
+
+def _nki_fields(cls: type) -> dict[str, Any]:
+    """A class's fields and their defaults: annotated names and data class attributes, base classes first."""
+    fields: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or klass is NKIObject:
+            continue
+        for field in inspect.get_annotations(klass):
+            fields[field] = klass.__dict__.get(field, fields.get(field))
+        for field, value in klass.__dict__.items():
+            if not field.startswith("__") and not _is_behaviour(value):
+                fields[field] = value
+    return fields
+
+
+def _is_behaviour(value: Any) -> bool:
+    return callable(value) or isinstance(value, (property, classmethod, staticmethod))
 
 
 class _TileSizeMeta(type):
@@ -217,16 +268,21 @@ def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> range:
     return _range(start, stop, step)
 
 
-def fori_loop(lower: Any, upper: Any, body: Any) -> None:
-    """Run ``body(i)`` for ``i`` in ``[lower, upper)`` (NKI 0.6's dynamic loop)."""
-    for i in range(int(lower), int(upper)):
-        body(i)
+def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
+    """Run ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)``; bounds may be registers,
+    ``step`` is a compile-time positive integer."""
+    if not isinstance(step, (int, np.integer)) or step < 1:
+        raise rule("nl.fori_loop", "step", "must be a compile-time positive integer", step=step)
+    for i in range(int(lower), int(upper), int(step)):
+        body_fun(i)
 
 
-def while_loop(condition: Any, body: Any) -> None:
-    """Run ``condition = body()`` while ``condition`` (a register or int) is non-zero."""
+def while_loop(init: Any, body_fun: Any) -> None:
+    """``r = init; while r != 0: r = body_fun(r)``: the body gets the condition register by value
+    and returns the next one (a register or int)."""
+    condition = init
     while int(condition):
-        condition = body()
+        condition = body_fun(isa.VirtualRegister(int(condition)))
 
 
 def par_dim(size: int) -> int:
@@ -313,7 +369,7 @@ def load_transpose2d(src: Tensor, dtype: Any = None) -> Tensor:
 
 
 def _to_sbuf(x: Tensor, dtype: Any = None) -> Tensor:
-    """A VectorE copy of ``x`` into a new SBUF tile (``nl.copy`` itself is ScalarE's activation copy)."""
+    """A VectorE copy of ``x`` into a new SBUF tile."""
     out = ndarray(x.shape, x.dtype if dtype is None else dtype, buffer=sbuf)
     isa.tensor_copy(out, x)
     return out
@@ -399,13 +455,32 @@ def _promote(*values: Any) -> dtypes.DType:
 
 def _unary(op: ops.Op, x: Tensor, dtype: Any = None) -> Tensor:
     out = ndarray(x.shape, _promote(x) if dtype is None else dtype, buffer=sbuf)
-    if op.kind == "bitvec":  # invert: xor with all ones
+    if op.name == "copy":
+        # nl.copy is VectorE's tensor_copy (bit-exact when the dtypes match), not the ScalarE
+        # activation that nl.copy names as an ISA ``op=`` (which computes in fp32).
+        isa.tensor_copy(out, x)
+    elif op.name == "sin":
+        _range_reduced_sin(out, x)
+    elif op.kind == "bitvec":  # invert: xor with all ones
         isa.tensor_scalar(out, x, ops.ALL["bitwise_xor"], -1)
     elif op.kind == "logical":
         isa.tensor_scalar(out, x, ops.ALL["equal"], 0.0)
     else:
         isa.activation(out, op, x)
     return out
+
+
+def _range_reduced_sin(out: Tensor, x: Tensor) -> None:
+    """``nl.sin``: bring x into [-pi, pi) first, as AWS's nl.sin does (nki.api.shared.rst, the note
+    under the activation table): ScalarE's sin polynomial is only valid there and extrapolates a
+    cubic outside it."""
+    reduced = ndarray(x.shape, float32, buffer=sbuf)
+    isa.tensor_scalar(reduced, x, ops.ALL["add"], _PI, op1=ops.ALL["mod"], operand1=2 * _PI)
+    isa.tensor_scalar(reduced, reduced, ops.ALL["subtract"], _PI)
+    isa.activation(out, ops.ALL["sin"], reduced)
+
+
+_PI = float(np.float32(np.pi))
 
 
 def _is_column(t: Tensor, parts: int) -> bool:
@@ -497,10 +572,14 @@ class _Reduction:
         if len(kept) < 2:
             kept = kept + (1,) * (2 - len(kept))
         out = ndarray(kept, x.dtype if dtype is None else dtype, buffer=sbuf)
-        isa.tensor_reduce(out, self.alu_op, x, axes, keepdims=keepdims)
-        if self.name == "mean":
-            count = int(np.prod([x.shape[a] for a in axes]))
-            isa.tensor_scalar(out, out, ops.ALL["multiply"], 1.0 / count)
+        if self.name != "mean":
+            isa.tensor_reduce(out, self.alu_op, x, axes, keepdims=keepdims)
+            return out
+        # nl.mean keeps its intermediates in fp32 (its docstring): the sum is rounded once, after scaling.
+        total = ndarray(kept, float32, buffer=sbuf)
+        isa.tensor_reduce(total, self.alu_op, x, axes, keepdims=keepdims)
+        count = int(np.prod([x.shape[a] for a in axes]))
+        isa.tensor_scalar(out, total, ops.ALL["multiply"], 1.0 / count)
         return out
 
     def __repr__(self) -> str:

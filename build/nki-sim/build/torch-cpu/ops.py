@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import frontend
+from . import frontend, runtime
 from .errors import rule
 
 Array = np.ndarray
@@ -68,6 +68,12 @@ def _ints(fn: Callable[[Array, Array], Array]) -> Binary:
     return run
 
 
+def _logical_right_shift(a: Array, b: Array) -> Array:
+    # The bitvec ALU shifts 32-bit words with zeros coming in (AWS's operator table lists
+    # right_shift as a logical shift; an arithmetic one is "Not supported"): -8 >> 1 is 0x7FFFFFFC.
+    return np.right_shift(a & 0xFFFFFFFF, b)
+
+
 def _fp32(fn: Callable[..., Array]) -> Callable[..., Array]:
     def run(*xs: ArrayLike) -> Array:
         with np.errstate(all="ignore"):
@@ -108,6 +114,15 @@ def _gelu_sig_dx(x: Array) -> Array:
     return s + 1.702 * x * s * (1.0 - s)
 
 
+def _scalar_engine_sin(x: Array) -> Array:
+    """ScalarE's sin: no range reduction; beyond [-pi, pi] the polynomial's cubic continues, i.e.
+    sin's third-order expansion about the nearer of +-pi, so sin(9.0) is ~27.65 (nki.api.shared.rst,
+    the note under the activation table; AWS's simulator reproduces it)."""
+    edge = np.where(x > 0, np.float32(np.pi), np.float32(-np.pi)).astype(np.float32)
+    d = x - edge
+    return np.where(np.abs(x) <= np.float32(np.pi), np.sin(x), d * d * d / np.float32(6.0) - d)
+
+
 def _softplus(x: Array) -> Array:
     return np.logaddexp(np.float32(0.0), x)
 
@@ -146,7 +161,7 @@ BITVEC = {
     "bitwise_or": Op("bitwise_or", binary=_ints(np.bitwise_or), kind="bitvec"),
     "bitwise_xor": Op("bitwise_xor", binary=_ints(np.bitwise_xor), kind="bitvec"),
     "left_shift": Op("left_shift", binary=_ints(np.left_shift), kind="bitvec"),
-    "right_shift": Op("right_shift", binary=_ints(np.right_shift), kind="bitvec"),
+    "right_shift": Op("right_shift", binary=_ints(_logical_right_shift), kind="bitvec"),
     "invert": Op("invert", unary=lambda x: np.invert(np.asarray(x).astype(np.int64)), kind="bitvec"),
 }
 _ACTIVATION_FNS: dict[str, Callable[[Array], Array]] = {
@@ -171,7 +186,7 @@ _ACTIVATION_FNS: dict[str, Callable[[Array], Array]] = {
     "mish": lambda x: x * np.tanh(_softplus(x)),
     "erf": _erf32,
     "erf_dx": lambda x: np.float32(2.0 / math.sqrt(math.pi)) * np.exp(-x * x),
-    "sin": np.sin,
+    "sin": _scalar_engine_sin,
     "cos": np.cos,
     "tan": np.tan,
     "arctan": np.arctan,
@@ -192,6 +207,9 @@ ACTIVATION["reciprocal"].binary = _fp32(lambda a, b: 1.0 / a)
 BYPASS = Op("bypass", unary=_fp32(lambda x: x), binary=_fp32(lambda a, b: a))
 PRELU = Op("prelu", unary=_fp32(lambda x: x))  # slope comes from relu_param at the call site
 
+# nki.language.abs_max / abs_min: "Available only on NeuronCore-v4 (trn3) and newer".
+NEURONCORE_V4_OPS = frozenset({"abs_max", "abs_min"})
+
 ALL: dict[str, Op] = {**ARITH, **COMPARE, **LOGICAL, **BITVEC, **ACTIVATION, "bypass": BYPASS, "prelu": PRELU}
 
 
@@ -199,6 +217,9 @@ def as_alu(op: Any, instruction: str, role: str = "op") -> Op:
     """Resolve an ``op=`` argument to a binary ALU operator, or raise naming the instruction."""
     resolved = getattr(op, "alu_op", op)  # nl.max / nl.sum etc. stand for maximum / add
     if isinstance(resolved, Op) and resolved.binary is not None:
+        run = runtime.active()
+        if resolved.name in NEURONCORE_V4_OPS and run is not None and run.target.generation < 4:
+            raise rule(instruction, role, f"nl.{resolved.name} needs NeuronCore-v4 (trn3)", target=run.target.name)
         return resolved
     raise _bad_op(instruction, role, op, "an ALU operator (nl.add, nl.multiply, nl.maximum, ...)")
 

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from .tensor import Tensor
 
 ON_CHIP = ("sbuf", "psum")
+# What last wrote each PSUM element: nc_matmul tells overwrite from accumulate by it, and
+# NeuronCore-v2/v3 cannot accumulate onto a value written by another instruction.
+PSUM_UNWRITTEN, PSUM_BY_MATMUL, PSUM_BY_OTHER = 0, 1, 2
 HBM_KINDS = ("hbm", "shared_hbm", "private_hbm")
 
 
@@ -46,8 +49,8 @@ class Buffer:
         self.name = name
         self.on_chip = on_chip = kind in ON_CHIP
         self.partition_bytes = (data.nbytes // data.shape[0]) if on_chip and data.ndim else data.nbytes
-        # PSUM remembers what was written so nc_matmul(accumulate=None) can tell overwrite from add.
-        self.written = np.zeros(data.shape, dtype=np.bool_) if kind == "psum" else None
+        # PSUM remembers which instruction kind last wrote each element (PSUM_UNWRITTEN ...).
+        self.written = np.zeros(data.shape, dtype=np.uint8) if kind == "psum" else None
         # Set by nl.matmul so that ``psum_tile += nl.matmul(...)`` can accumulate in place.
         self.origin: tuple | None = None
 
