@@ -8,7 +8,7 @@ per partition and a fixed minimum of ~64 cycles:
 - activation: max(64, N), +64 with a reduction; tensor_scalar / tensor_copy: max(64, N);
   tensor_tensor: max(64, N) with a PSUM input or all-bf16, else max(64, 2N);
   tensor_reduce: N (N/2 for bf16); reciprocal: max(64, 8N); iota / affine_select: 150 + N;
-  memset: N (N/2 for a bf16 zero fill);
+  memset: N (N/2 for a bf16 zero fill); GpSimd topk: 4n + K (n snake elements, K results);
 - Trn2+ VectorE fast modes: 4x for all-bf16 SBUF copies / tensor_scalar, 2x for all-bf16 SBUF
   tensor_tensor.
 
@@ -64,6 +64,8 @@ def engine_cycles(inst: Instruction, hw: Hardware) -> float:
     if engine == "gpsimd":
         if op in ("iota", "affine_select"):
             return 150 + n
+        if op == "topk":  # AWS's nisa.topk reference: 4 * n + K cycles per partition
+            return 4 * attrs["n"] + attrs["k"]
         return max(floor, n)
     # VectorE
     speedup = 1.0

@@ -190,6 +190,12 @@ def _to_hbm(rt: runtime.Run, value: Any, name: str) -> Any:
     return value
 
 
+def _single_program_hbm(value: Tensor) -> bool:
+    """An ``nl.hbm`` tensor returned by a kernel launched without a grid: AWS's API examples
+    (``nki.isa.nonzero_with_count``) return one, so it is an output like ``nl.shared_hbm``."""
+    return value.buffer == "hbm" and runtime.current().grid == (1,)
+
+
 def _from_hbm(value: Any, torch_out: bool) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_from_hbm(v, torch_out) for v in value)
@@ -201,10 +207,11 @@ def _from_hbm(value: Any, torch_out: bool) -> Any:
                 f"nki.jit: return value: {value!r} is in {value.buffer.upper()}; kernels return HBM tensors: "
                 "dma_copy it into an nl.shared_hbm tensor first"
             )
-        if value.buffer != "shared_hbm":
+        if value.buffer != "shared_hbm" and not _single_program_hbm(value):
             raise KernelInterfaceError(
                 f"nki.jit: return value: {value!r} is in private HBM ({value.buffer}); kernel outputs "
-                "must be allocated with buffer=nl.shared_hbm"
+                "must be allocated with buffer=nl.shared_hbm (an nl.hbm output is accepted only "
+                "without an SPMD grid, where the one program's HBM is the kernel's)"
             )
         array = np.array(value.read(), copy=True)
         return dtypes.numpy_to_torch(array) if torch_out else array

@@ -327,8 +327,9 @@ def test_dma_transpose_sbuf_source_and_rules():
     x = rand((16, 64), BF16, seed=11)
     out = run(lambda t: _dma_t(t, (64, 16)), x)
     assert_bits_equal(out, np.ascontiguousarray(x.T))
-    with pytest.raises(nisa.NkiValidationError, match="2-byte"):
-        run(lambda t: _dma_t(t, (64, 16)), x.astype(np.float32))
+    # AWS's API reference limits only the hardware-DGE and indirect transposes to 2-byte dtypes.
+    wide = x.astype(np.float32)
+    np.testing.assert_array_equal(run(lambda t: _dma_t(t, (64, 16)), wide), wide.T)
     with pytest.raises(nisa.NkiValidationError, match="axes"):
         run(lambda t: _dma_t(t, (64, 16), axes=(0, 1)), x)
 
@@ -1978,13 +1979,8 @@ def test_activate2_prelu_uses_relu_param():
     [
         "nc_matmul_mx",
         "quantize_mx",
-        "local_gather",
-        "sequence_bounds",
-        "nonzero_with_count",
         "core_barrier",
         "sendrecv",
-        "rand_set_state",
-        "rand_get_state",
     ],
 )
 def test_instructions_the_simulator_does_not_run_say_so(name):
@@ -2034,8 +2030,9 @@ def test_dma_transpose_hwdge_shape_rules():
     assert_bits_equal(out, np.ascontiguousarray(ok.T))
     with pytest.raises(nisa.NkiValidationError, match="16"):
         run(lambda t: _dma_t_hw(t, (128, 32)), rand((32, 128), BF16))
-    with pytest.raises(nisa.NkiValidationError, match="128"):
-        run(lambda t: _dma_t_hw(t, (64, 16)), rand((16, 64), BF16))
+    # NKI 0.6's reference asks src.shape[-1] <= 128, no longer a multiple of 128.
+    narrow = rand((16, 64), BF16, seed=134)
+    assert_bits_equal(run(lambda t: _dma_t_hw(t, (64, 16)), narrow), np.ascontiguousarray(narrow.T))
 
 
 def _dma_t_hw(t, shape):
