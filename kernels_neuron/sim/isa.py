@@ -32,6 +32,7 @@ from .enums import (  # noqa: F401
 )
 from .errors import NkiValidationError, rule, unsupported
 from .gpsimd import local_gather, nonzero_with_count, sequence_bounds, topk
+from .mx import nc_matmul_mx, quantize_mx
 from .ops import ALL as _OPS
 from .ops import BYPASS, Op, as_activation, as_alu
 from .prng import rand_get_state, rand_set_state
@@ -97,6 +98,8 @@ __all__ = [
     "topk",
     "rand_set_state",
     "rand_get_state",
+    "quantize_mx",
+    "nc_matmul_mx",
 ]
 
 
@@ -1751,8 +1754,6 @@ def register_store(dst: Tensor, src: VirtualRegister) -> None:
 
 # Documented instructions this simulator does not execute: calling them says so plainly.
 for _name in (
-    "nc_matmul_mx",
-    "quantize_mx",
     "core_barrier",
     "sendrecv",
 ):

@@ -1977,8 +1977,6 @@ def test_activate2_prelu_uses_relu_param():
 @pytest.mark.parametrize(
     "name",
     [
-        "nc_matmul_mx",
-        "quantize_mx",
         "core_barrier",
         "sendrecv",
     ],
