@@ -53,6 +53,8 @@ def engine_cycles(inst: Instruction, hw: Hardware) -> float:
     n = max(inst.free_elements, 1)
     floor = hw.min_instruction_cycles
     op, engine, attrs = inst.op, inst.engine, inst.attrs
+    if op == "core_barrier":  # a semaphore update and wait; the time spent waiting for the other core is not modelled
+        return floor
     if engine == "tensor":
         # An MX matmul streams its x4 columns at the bf16 rate: 4x the multiply-accumulates per cycle.
         if op in ("nc_matmul", "nc_matmul_mx"):

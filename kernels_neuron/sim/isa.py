@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes, operands, prng, runtime
+from .cores import core_barrier, sendrecv
 from .enums import (  # noqa: F401
     dge_mode,
     dma_engine,
@@ -30,7 +31,7 @@ from .enums import (  # noqa: F401
     unknown_engine,
     vector_engine,
 )
-from .errors import NkiValidationError, rule, unsupported
+from .errors import NkiValidationError, rule
 from .gpsimd import local_gather, nonzero_with_count, sequence_bounds, topk
 from .mx import nc_matmul_mx, quantize_mx
 from .ops import ALL as _OPS
@@ -100,6 +101,8 @@ __all__ = [
     "rand_get_state",
     "quantize_mx",
     "nc_matmul_mx",
+    "sendrecv",
+    "core_barrier",
 ]
 
 
@@ -1750,15 +1753,6 @@ def register_store(dst: Tensor, src: VirtualRegister) -> None:
     if dst.size != 1:
         raise rule("nisa.register_store", "dst", "must hold exactly one element", shape=list(dst.shape))
     dst.write(np.full(dst.shape, int(src)), "nisa.register_store")
-
-
-# Documented instructions this simulator does not execute: calling them says so plainly.
-for _name in (
-    "core_barrier",
-    "sendrecv",
-):
-    globals()[_name] = unsupported(f"nisa.{_name}")
-del _name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes, runtime
+from . import cores, dtypes, runtime
 from .errors import NkiValidationError
 from .targets import Target, resolve
 from .tensor import Tensor
@@ -147,8 +147,10 @@ def launch(
     trace = Trace(chosen.name, kernel=getattr(kernel.func, "__name__", ""))
     grid = kernel.grid or (1,)
     shared: dict[int, runtime.Buffer] = {}
-    outputs: Any = None
-    for program in np.ndindex(*grid):
+    outputs: list[Any] = [None]
+    programs: cores.Programs | None = None
+
+    def run_program(program: tuple[int, ...]) -> None:
         rt = runtime.Run(
             chosen,
             capacity=capacity,
@@ -159,11 +161,22 @@ def launch(
             seed=seed,
             explicit_grid=kernel.grid is not None,
         )
+        rt.cores = programs
         with runtime.activate(rt):
             hbm_args = [_to_hbm(rt, a, f"arg{i}") for i, a in enumerate(args)]
             hbm_kwargs = {k: _to_hbm(rt, v, k) for k, v in kwargs.items()}
             returned = kernel.func(*hbm_args, **hbm_kwargs)
-            outputs = _from_hbm(returned, torch_in)
+            outputs[0] = _from_hbm(returned, torch_in)
+
+    every_program = list(np.ndindex(*grid))
+    if len(every_program) == 1:
+        run_program(every_program[0])
+    else:
+        # One program at a time, in order; cores.Programs lets programs that wait for each other
+        # (sendrecv, core_barrier) hand over.
+        programs = cores.Programs([functools.partial(run_program, p) for p in every_program])
+        programs.run()
+    outputs = outputs[0]
     for sink in getattr(_captures, "stack", None) or ():
         sink.append(trace)
     return SimResult(outputs, trace)

@@ -16,7 +16,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import dtypes, frontend
-from .errors import NkiValidationError, rule
+from .errors import NkiValidationError, SimulatorUnsupported, rule
 from .runtime import Buffer, region_of
 from .trace import Region
 
@@ -443,6 +443,14 @@ class Tensor:
         indirect = Indirect(vector_offset, 0, start, steps, nums)
         shape_only = np.broadcast_to(self._buf.data.reshape(-1)[:1], nums)
         return Tensor(self._buf, shape_only, self._dtype, indirect=indirect)
+
+    def indirect(self, index: Tensor, num_elem: int | None = None) -> Tensor:
+        """NeuronCore-v4 tensor indirection (compute engines gathering/scattering free-dim columns):
+        documented, not simulated yet; calling it raises ``SimulatorUnsupported``."""
+        raise SimulatorUnsupported(
+            "NkiTensor.indirect (NeuronCore-v4 tensor indirection) is part of the NKI API but the "
+            "kernels-neuron simulator does not run it; gather with .ap(vector_offset=...) and a DMA instead"
+        )
 
     def ap(
         self,

@@ -1974,18 +1974,6 @@ def test_activate2_prelu_uses_relu_param():
     np.testing.assert_array_equal(b, np.where(x2 >= 0, x2, x2 * slope))
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "core_barrier",
-        "sendrecv",
-    ],
-)
-def test_instructions_the_simulator_does_not_run_say_so(name):
-    with pytest.raises(sim.SimulatorUnsupported, match=name):
-        run(lambda: getattr(nisa, name)())
-
-
 def _gather_transpose_kernel(oob=nisa.oob_mode.error):
     @nki.jit
     def kernel(src_hbm, idx_hbm):
