@@ -148,12 +148,3 @@ def test_programs_without_cross_core_instructions_still_run_in_order():
 
     trace = sim.run(kernel, grid=3).trace
     assert [i.program[0] for i in trace] == [0, 0, 1, 1, 2, 2]
-
-
-def test_tensor_indirection_says_it_is_not_simulated():
-    def kernel():
-        tile = nl.zeros((16, 8), nl.float32)
-        tile.indirect(nl.zeros((16, 1), nl.int32))
-
-    with pytest.raises(sim.SimulatorUnsupported, match=r"NkiTensor\.indirect .* does not run it"):
-        sim.run(kernel, target="trn3")
