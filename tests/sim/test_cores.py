@@ -137,6 +137,8 @@ def test_core_barrier_rules():
 
     with pytest.raises(nisa.NkiValidationError, match=r"core_barrier: cores: only \(0, 1\) is supported"):
         sim.run(kernel, "cores", grid=2)
+    with pytest.raises(nisa.NkiValidationError, match=r"core_barrier: launch: needs an LNC=2 launch"):
+        sim.run(kernel, "both cores", grid=1)
     with pytest.raises(nisa.NkiValidationError, match=r"core_barrier: data: must be a shared HBM tensor.*buffer=hbm"):
         sim.run(kernel, "private", grid=2)
 
@@ -148,3 +150,15 @@ def test_programs_without_cross_core_instructions_still_run_in_order():
 
     trace = sim.run(kernel, grid=3).trace
     assert [i.program[0] for i in trace] == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_one_core_barrier_passes_as_nki_library_uses_it():
+    """nki-library's blockwise MoE kernel calls core_barrier(output, (0,)) when it runs on one core."""
+
+    def kernel():
+        data = nl.ndarray((2, 8), nl.float32, buffer=nl.shared_hbm)
+        nisa.core_barrier(data, (0,))
+
+    assert [i.op for i in sim.run(kernel).trace] == ["core_barrier"]
+    with pytest.raises(nisa.NkiValidationError, match=r"core_barrier: target: needs NeuronCore-v3"):
+        sim.run(kernel, target="trn1")
