@@ -190,18 +190,29 @@ def sendrecv(
 
 
 def core_barrier(data: Tensor, cores: Sequence[int], engine: _Engine = _Engine.gpsimd, name: str | None = None) -> None:
-    """Wait until every core in ``cores`` (only ``(0, 1)``) has reached its matching barrier on ``data``."""
+    """Wait until every core in ``cores`` has reached its matching barrier on ``data``.
+
+    AWS's reference supports ``cores=(0, 1)``; nki-library also passes ``(0,)`` when a kernel runs on
+    one core, a barrier with only itself, which passes at once.
+    """
     instr = "nisa.core_barrier"
     run = runtime.current()
-    rank, pair, programs = _lnc_pair(instr, run)
-    if tuple(int(c) for c in cores) != LNC_RANKS:
-        raise rule(instr, "cores", "only (0, 1) is supported", cores=tuple(cores))
+    group = tuple(int(c) for c in cores)
+    if group not in (LNC_RANKS, (0,)):
+        raise rule(instr, "cores", "only (0, 1) is supported (or (0,) on a single core)", cores=tuple(cores))
     data = operands.tile(data, instr, "data")
     if data.buffer != "shared_hbm":
         raise rule(instr, "data", "must be a shared HBM tensor (nl.shared_hbm)", buffer=str(data.buffer))
     eng = operands.engine_for(engine, instr, ("gpsimd", "vector", "scalar"), "gpsimd")
-    arrivals = programs.barrier_arrivals
-    arrivals[pair + (rank,)] += 1
-    mine = arrivals[pair + (rank,)]
-    programs.wait(lambda: all(arrivals[pair + (core,)] >= mine for core in LNC_RANKS), instr)
+    if group == (0,):
+        if run.target.generation < 3:
+            raise rule(instr, "target", "needs NeuronCore-v3 or newer", target=run.target.name)
+        if run.program_id[0] != 0:
+            raise rule(instr, "cores", "a one-core barrier (0,) runs on core 0 only", rank=run.program_id[0])
+    else:
+        rank, pair, programs = _lnc_pair(instr, run)
+        arrivals = programs.barrier_arrivals
+        arrivals[pair + (rank,)] += 1
+        mine = arrivals[pair + (rank,)]
+        programs.wait(lambda: all(arrivals[pair + (core,)] >= mine for core in LNC_RANKS), instr)
     run.record(eng, "core_barrier", reads=[("data", data)])
