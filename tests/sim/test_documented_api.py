@@ -65,6 +65,14 @@ def test_nki_dtype_module_holds_the_documented_dtypes():
     assert ndt.bfloat16 == nl.bfloat16 and ndt.float8_e8m0fnu == nl.float8_e8m0fnu
 
 
+def test_nki_isa_constants_as_nki_library_imports_them():
+    """13 nki-library files do ``from nki.isa.constants import dge_mode, oob_mode``."""
+    from nki.isa import constants
+    from nki.isa.constants import dge_mode, oob_mode
+
+    assert dge_mode is nisa.dge_mode and oob_mode is nisa.oob_mode and constants.engine is nisa.engine
+
+
 def test_float8_e8m0fnu_holds_powers_of_two():
     scales = np.array([[0.25, 1.0, 3.0, 1024.0]], np.float32)
 

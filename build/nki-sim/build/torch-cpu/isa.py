@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes, operands, prng, runtime
+from . import enums as constants  # noqa: F401  (nki.isa.constants: the enums, as nki-library imports them)
 from .cores import core_barrier, sendrecv
 from .enums import (  # noqa: F401
     dge_mode,

@@ -68,6 +68,7 @@ class NKIObject:
 
 
 DMA_TRANSPOSE_AS_PE_ENV_VAR = "NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE"
+GEMM_MOVING_TILE = 512
 
 
 class _TileSizeMeta(type):
@@ -92,7 +93,10 @@ class _TileSizeMeta(type):
 
     @property
     def gemm_moving_fmax(cls) -> int:
-        return cls._target.gemm_moving_fmax
+        # The moving tile kernels are written for: 512 on every target, as AWS's tiling overview
+        # states it and its Trn3-only MX matmul examples rely on (their moving tiles are [128, 512]
+        # x4). NeuronCore-v4's nc_matmul itself accepts wider moving operands (targets.py).
+        return GEMM_MOVING_TILE
 
     @property
     def bn_stats_fmax(cls) -> int:
