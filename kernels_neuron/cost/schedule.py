@@ -2,7 +2,8 @@
 
 Each engine runs its instructions in program order. An instruction starts when its engine is
 free and every earlier instruction it depends on has finished: read-after-write, and, because
-memory is reused, write-after-read and write-after-write on overlapping regions. DMA transfers
+memory is reused, write-after-read and write-after-write on overlapping regions, and the edges a
+kernel added with ``NkiInstruction.depends_on``. DMA transfers
 go round-robin onto 16 queues that each run in order and all run concurrently; their bytes
 share the core's HBM bandwidth.
 
@@ -127,8 +128,11 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
     count = len(instructions)
     memory = _Memory()
     deps: list[set[int]] = []
+    local_index = {inst.index: i for i, inst in enumerate(instructions)}
     for i, inst in enumerate(instructions):
-        deps.append(memory.depends(inst))
+        # Memory dependencies, plus the edges a kernel added with NkiInstruction.depends_on.
+        explicit = {local_index[j] for j in inst.attrs.get("depends_on", ()) if j in local_index}
+        deps.append(memory.depends(inst) | explicit)
         memory.record(inst, i)
     dependents: list[list[int]] = [[] for _ in range(count)]
     for i, d in enumerate(deps):

@@ -7,8 +7,9 @@ per partition and a fixed minimum of ~64 cycles:
   fp8 double-row; TensorE transpose: max(P, min(64, F));
 - activation: max(64, N), +64 with a reduction; tensor_scalar / tensor_copy: max(64, N);
   tensor_tensor: max(64, N) with a PSUM input or all-bf16, else max(64, 2N);
-  tensor_reduce: N (N/2 for bf16); reciprocal: max(64, 8N); iota / affine_select: 150 + N;
-  memset: N (N/2 for a bf16 zero fill);
+  tensor_reduce: N (N/2 for bf16); reciprocal: max(64, 8N); quantize_mx: max(64, N/4); nc_matmul_mx:
+  as matmul, N its x4 columns; iota / affine_select: 150 + N;
+  memset: N (N/2 for a bf16 zero fill); GpSimd topk: 4n + K (n snake elements, K results);
 - Trn2+ VectorE fast modes: 4x for all-bf16 SBUF copies / tensor_scalar, 2x for all-bf16 SBUF
   tensor_tensor.
 
@@ -52,8 +53,11 @@ def engine_cycles(inst: Instruction, hw: Hardware) -> float:
     n = max(inst.free_elements, 1)
     floor = hw.min_instruction_cycles
     op, engine, attrs = inst.op, inst.engine, inst.attrs
+    if op == "core_barrier":  # a semaphore update and wait; the time spent waiting for the other core is not modelled
+        return floor
     if engine == "tensor":
-        if op == "nc_matmul":
+        # An MX matmul streams its x4 columns at the bf16 rate: 4x the multiply-accumulates per cycle.
+        if op in ("nc_matmul", "nc_matmul_mx"):
             return max(min(64, attrs["M"]), attrs["N"]) * matmul_slowdown(attrs)
         # nc_transpose on TensorE: a pass of the data through the array against an identity.
         return max(attrs.get("K", inst.partitions), min(64, attrs.get("N", n))) * matmul_slowdown(attrs)
@@ -64,6 +68,8 @@ def engine_cycles(inst: Instruction, hw: Hardware) -> float:
     if engine == "gpsimd":
         if op in ("iota", "affine_select"):
             return 150 + n
+        if op == "topk":  # AWS's nisa.topk reference: 4 * n + K cycles per partition
+            return 4 * attrs["n"] + attrs["k"]
         return max(floor, n)
     # VectorE
     speedup = 1.0
@@ -77,6 +83,8 @@ def engine_cycles(inst: Instruction, hw: Hardware) -> float:
         return max(1.0, n / 2 if bf16 else n)
     if op == "reciprocal":
         return max(floor, 8 * n)
+    if op == "quantize_mx":  # Trainium3 guide: four input elements per partition per cycle
+        return max(floor, n / 4)
     if op == "memset":
         return max(1.0, n / 2 if attrs.get("zero") and inst.operands[0].dtype == "bfloat16" else n)
     return max(floor, n / speedup)

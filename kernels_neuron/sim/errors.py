@@ -41,15 +41,3 @@ def rule(instruction: str, operand: str, problem: str, **facts: Any) -> NkiValid
     if detail:
         message += f" ({detail})"
     return NkiValidationError(message)
-
-
-def unsupported(name: str) -> Any:
-    """A stand-in for a documented NKI function the simulator does not run: calling it raises
-    ``SimulatorUnsupported`` naming it."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        raise SimulatorUnsupported(f"{name} is part of the NKI API but the kernels-neuron simulator does not run it")
-
-    call.__name__ = name.rsplit(".", 1)[-1]
-    call.__doc__ = "Not executed by the simulator: calling it raises SimulatorUnsupported."
-    return call

@@ -8,13 +8,17 @@ the run's trace.
 
 from __future__ import annotations
 
+import functools
+import types
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from . import dtypes, operands, runtime
+from . import dtypes, operands, prng, runtime
+from . import enums as constants  # noqa: F401  (nki.isa.constants: the enums, as nki-library imports them)
+from .cores import core_barrier, sendrecv
 from .enums import (  # noqa: F401
     dge_mode,
     dma_engine,
@@ -29,10 +33,14 @@ from .enums import (  # noqa: F401
     unknown_engine,
     vector_engine,
 )
-from .errors import AccumulateUninitializedWarning, NkiValidationError, rule, unsupported
+from .errors import AccumulateUninitializedWarning, NkiValidationError, rule
+from .gpsimd import local_gather, nonzero_with_count, sequence_bounds, topk
+from .mx import nc_matmul_mx, quantize_mx
 from .ops import ALL as _OPS
 from .ops import BYPASS, Op, as_activation, as_alu
+from .prng import rand_get_state, rand_set_state
 from .tensor import Tensor
+from .trace import Instruction
 
 __all__ = [
     "engine",
@@ -43,8 +51,10 @@ __all__ = [
     "nc_version",
     "dma_engine",
     "NkiValidationError",
+    "NkiInstruction",
     "VirtualRegister",
     "get_nc_version",
+    "get_nc_sub_version",
     "dma_copy",
     "dma_transpose",
     "tensor_copy",
@@ -85,6 +95,16 @@ __all__ = [
     "register_move",
     "register_load",
     "register_store",
+    "local_gather",
+    "sequence_bounds",
+    "nonzero_with_count",
+    "topk",
+    "rand_set_state",
+    "rand_get_state",
+    "quantize_mx",
+    "nc_matmul_mx",
+    "sendrecv",
+    "core_barrier",
 ]
 
 
@@ -158,14 +178,6 @@ def dma_copy(
         raise rule(instr, "dst/src", "element counts differ", dst=list(dst.shape), src=list(src.shape))
     if dge_mode == _DGE.hwdge and not run.target.has_hwdge:
         raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=run.target.name)
-    if dge_mode == _DGE.hwdge and src.dtype != dst.dtype:
-        raise rule(
-            instr,
-            "dge_mode",
-            "hardware DGE cannot convert dtypes; view src as dst's dtype or use swdge",
-            src=dtypes.name(src.dtype),
-            dst=dtypes.name(dst.dtype),
-        )
     skip = oob_mode == _OOB.skip
     values, inside = _dma_read(src, instr, skip)
     if src.dtype != dst.dtype:
@@ -234,8 +246,15 @@ def dma_transpose(
         raise rule(
             instr, "dst", "must have the same dtype as src", dst=dtypes.name(dst.dtype), src=dtypes.name(src.dtype)
         )
-    if dtypes.itemsize(src.dtype) != 2:
-        raise rule(instr, "src", "DMA transpose moves 2-byte dtypes only", dtype=dtypes.name(src.dtype))
+    if (dge_mode == _DGE.hwdge or src._indirect is not None) and dtypes.itemsize(src.dtype) != 2:
+        # AWS's API reference limits the hardware-DGE and the indirect (gather) transposes to 2-byte
+        # dtypes; it states no dtype limit for a direct transpose by the default DGE mode.
+        raise rule(
+            instr,
+            "src",
+            "hardware-DGE and indirect DMA transposes move 2-byte dtypes only",
+            dtype=dtypes.name(src.dtype),
+        )
     expected = _DMA_TRANSPOSE_AXES.get(src.ndim)
     axes = tuple(axes) if axes is not None else expected
     if expected is None or axes != expected:
@@ -824,6 +843,8 @@ def _reduce(op: Op, values: np.ndarray, axis: int = -1) -> np.ndarray:
         return values.min(axis=axis)
     if op.name == "multiply":
         return values.prod(axis=axis, dtype=values.dtype)
+    if op.name == "average":
+        return values.mean(axis=axis, dtype=np.float32)
     ufunc = {"bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor}.get(op.name)
     if ufunc is not None:
         return ufunc.reduce(values.astype(np.int64), axis=axis)
@@ -895,8 +916,8 @@ def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None
     """Reduce across partitions on GpSimd: ``dst[1, F] = op over p of data[p, F]``."""
     instr = "nisa.tensor_partition_reduce"
     alu = as_alu(op, instr)
-    if alu.name not in ("add", "maximum", "bitwise_or", "bitwise_and"):
-        raise rule(instr, "op", "must be add, maximum, bitwise_or or bitwise_and", op=alu.name)
+    if alu.name not in ("add", "average", "maximum", "bitwise_or", "bitwise_and"):
+        raise rule(instr, "op", "must be add, average, maximum, bitwise_or or bitwise_and", op=alu.name)
     dst, data = operands.compute_tile(dst, instr, "dst", "gpsimd"), operands.compute_tile(data, instr, "data", "gpsimd")
     if dst.partition_size != 1 or dst.free_size != data.free_size:
         raise rule(
@@ -951,9 +972,11 @@ def tensor_scalar_reduce(
     reverse0: bool = False,
     reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
     reduce_init: Any = None,
+    reduce_res_negate: bool = False,
     name: str | None = None,
 ) -> None:
-    """``dst = data <op0> operand0`` and reduce the result along the free dims into ``reduce_res``."""
+    """``dst = data <op0> operand0`` and reduce the result along the free dims into ``reduce_res``
+    (negated on the way out with ``reduce_res_negate``; the accumulator itself keeps its sign)."""
     instr = "nisa.tensor_scalar_reduce"
     first, red = as_alu(op0, instr, "op0"), as_alu(reduce_op, instr, "reduce_op")
     if red.name not in ("add", "multiply", "maximum", "minimum"):
@@ -970,7 +993,8 @@ def tensor_scalar_reduce(
     stored = np.asarray(values, dtype=np.float32)
     run = runtime.current()
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, stored, reduce_init, instr)
-    _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
+    registers = -run.vector_accumulator if reduce_res_negate else run.vector_accumulator
+    _read_out(reduce_res, registers, parts, instr, "vector")
     run.record(
         "vector",
         "tensor_scalar_reduce",
@@ -1659,7 +1683,11 @@ def rng(dst: Tensor, engine: engine = engine.unknown, name: str | None = None) -
     dst = operands.compute_tile(dst, instr, "dst", eng)
     if not operands.is_int(dst):
         raise rule(instr, "dst", "must be an integer tile", dtype=dtypes.name(dst.dtype))
-    bits = run.rng.integers(0, 2**32, size=dst.shape, dtype=np.uint64)
+    if prng.is_seeded(run, eng):  # rand_set_state gave this engine's lanes their state
+        lanes = prng.draw(run, eng, dst.start_partition, dst.partition_size, dst.free_size)
+        bits = lanes.astype(np.uint64).reshape(dst.shape)
+    else:
+        bits = run.rng.integers(0, 2**32, size=dst.shape, dtype=np.uint64)
     dst.write((bits & np.uint64((1 << (8 * dtypes.itemsize(dst.dtype))) - 1)).astype(dtypes.storage(dst.dtype)), instr)
     run.record(eng, "rng", writes=[("dst", dst)])
 
@@ -1735,14 +1763,22 @@ def dma_compute(
         raise rule(instr, "srcs", "takes 1 to 16 source tensors", count=len(srcs))
     dst = operands.tile(dst, instr, "dst")
     operands.where(dst, instr, "dst", ("hbm", "sbuf"))
-    total = np.zeros(dst.size, dtype=np.float32)
+    srcs = [operands.tile(src, instr, f"srcs[{i}]") for i, src in enumerate(srcs)]
     for i, src in enumerate(srcs):
-        src = operands.tile(src, instr, f"srcs[{i}]")
         operands.where(src, instr, f"srcs[{i}]", ("hbm", "sbuf"))
         if src.size != dst.size:
             raise rule(instr, f"srcs[{i}]", "element count differs from dst", src=list(src.shape), dst=list(dst.shape))
-        total = total + dtypes.to_engine(np.asarray(src.read())).reshape(-1)
-    dst.write(total.reshape(dst.shape), instr)
+    if dst._indirect is not None or any(src._indirect is not None for src in srcs):
+        _check_read_modify_write(instr, dst, srcs, unique_indices)
+    skip = _OOB(oob_mode) == _OOB.skip
+    total = np.zeros(dst.size, dtype=np.float32)
+    keep = None  # elements a skipped out-of-bounds gather index leaves as they were
+    for src in srcs:
+        values, inside = _dma_read(src, instr, skip)
+        total = total + dtypes.to_engine(values).reshape(-1)
+        if inside is not None:
+            keep = inside.reshape(-1) if keep is None else keep & inside.reshape(-1)
+    _dma_write(dst, total, instr, skip, keep)
     runtime.current().record(
         "dma",
         "dma_compute",
@@ -1753,6 +1789,49 @@ def dma_compute(
         bytes_per_partition=dst.nbytes // max(dst.partition_size, 1),
         contiguous_bytes=_contiguous_bytes(dst),
     )
+
+
+def _same_access(a: Tensor, b: Tensor) -> bool:
+    """Whether two operands name the same memory (for an indirect view: the same index and pattern)."""
+    if a._buf is not b._buf:
+        return False
+    if a._indirect is None or b._indirect is None:
+        return a._indirect is None and b._indirect is None and a.shape == b.shape and a.region() == b.region()
+    ia, ib = a._indirect, b._indirect
+    return ia.index is ib.index and (ia.dim, ia.start, ia.steps, ia.nums) == (ib.dim, ib.start, ib.steps, ib.nums)
+
+
+def _check_read_modify_write(instr: str, dst: Tensor, srcs: Sequence[Tensor], unique_indices: bool) -> None:
+    """dma_compute with a ``vector_offset`` source: AWS's scatter and gather read-modify-write modes.
+
+    Scatter: ``dst`` is an indirect HBM view, one source is that same view and the other is in SBUF.
+    Gather: ``dst`` is in SBUF, one source is an indirect HBM view and the other is ``dst`` itself.
+    """
+    if len(srcs) != 2:
+        raise rule(instr, "srcs", "read-modify-write (vector_offset) takes exactly 2 sources", count=len(srcs))
+    if not unique_indices:
+        raise rule(instr, "unique_indices", "must be True with vector_offset (non-unique indices are not supported)")
+    if dst._indirect is not None:
+        if dst.on_chip:
+            raise rule(instr, "dst", "a scatter read-modify-write writes an indirect HBM view")
+        matches = [i for i, src in enumerate(srcs) if _same_access(src, dst)]
+        other = srcs[1 - matches[0]] if matches else None
+        if other is None or other.buffer != "sbuf":
+            raise rule(
+                instr,
+                "srcs",
+                "a scatter read-modify-write needs one source that is dst's indirect view and one in SBUF",
+            )
+        return
+    gathers = [i for i, src in enumerate(srcs) if src._indirect is not None]
+    if dst.buffer != "sbuf" or len(gathers) != 1 or srcs[gathers[0]].on_chip:
+        raise rule(
+            instr,
+            "dst/srcs",
+            "a gather read-modify-write writes an SBUF dst from one indirect HBM source and dst itself",
+        )
+    if not _same_access(srcs[1 - gathers[0]], dst):
+        raise rule(instr, "srcs", "a gather read-modify-write's other source must be dst itself")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1801,17 +1880,70 @@ def register_store(dst: Tensor, src: VirtualRegister) -> None:
     dst.write(np.full(dst.shape, int(src)), "nisa.register_store")
 
 
-# Documented instructions this simulator does not execute: calling them says so plainly.
-for _name in (
-    "nc_matmul_mx",
-    "quantize_mx",
-    "local_gather",
-    "sequence_bounds",
-    "nonzero_with_count",
-    "core_barrier",
-    "sendrecv",
-    "rand_set_state",
-    "rand_get_state",
-):
-    globals()[_name] = unsupported(f"nisa.{_name}")
-del _name
+# ---------------------------------------------------------------------------------------------
+# instruction handles
+# ---------------------------------------------------------------------------------------------
+class NkiInstruction:
+    """What an ``nki.isa`` instruction returns: a handle to its trace record.
+
+    ``c.depends_on(a, b)`` adds scheduling edges (c runs after a and b). The simulator executes in
+    program order anyway; the edges are kept in the trace (``attrs["depends_on"]``) for the cost
+    model's schedule.
+    """
+
+    __slots__ = ("instruction",)
+
+    def __init__(self, instruction: Instruction | None) -> None:
+        self.instruction = instruction
+
+    def depends_on(self, *producers: NkiInstruction) -> NkiInstruction:
+        for producer in producers:
+            if not isinstance(producer, NkiInstruction):
+                raise TypeError(f"depends_on: expected instructions returned by nki.isa, got {type(producer).__name__}")
+            if self.instruction is None or producer.instruction is None:
+                continue  # an instruction that recorded nothing (register moves) orders nothing
+            if producer.instruction.index >= self.instruction.index:
+                raise rule(
+                    "NkiInstruction.depends_on",
+                    "producers",
+                    "a producer must come earlier in program order",
+                    producer=producer.instruction.op,
+                    consumer=self.instruction.op,
+                )
+            self.instruction.attrs.setdefault("depends_on", []).append(producer.instruction.index)
+        return self
+
+    def __repr__(self) -> str:
+        op = self.instruction.op if self.instruction is not None else "nothing recorded"
+        return f"<NkiInstruction {op}>"
+
+
+def get_nc_sub_version() -> int:
+    """The silicon revision within the target's ``nc_version`` generation: 0 (the first revision).
+
+    The simulator models each generation's first revision only.
+    """
+    runtime.current()  # like get_nc_version, only meaningful inside a kernel
+    return 0
+
+
+def _returns_handle(function: Any) -> Any:
+    """Make an instruction return an ``NkiInstruction`` for the last trace record it made."""
+
+    @functools.wraps(function)
+    def instruction(*args: Any, **kwargs: Any) -> NkiInstruction:
+        run = runtime.current()
+        before = len(run.trace.instructions)
+        function(*args, **kwargs)
+        made = run.trace.instructions
+        return NkiInstruction(made[-1] if len(made) > before else None)
+
+    return instruction
+
+
+_NOT_INSTRUCTIONS = {"get_nc_version", "get_nc_sub_version", "register_alloc"}
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, types.FunctionType) and _name not in _NOT_INSTRUCTIONS and not _name.startswith("register"):
+        globals()[_name] = _returns_handle(_value)
+del _name, _value

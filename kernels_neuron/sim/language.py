@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import enum
 import inspect
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,6 +28,7 @@ from .dtypes import (  # noqa: F401  (re-exported: nl.float32 etc.)
     float8_e4m3fn_x4,
     float8_e5m2,
     float8_e5m2_x4,
+    float8_e8m0fnu,
     float16,
     float32,
     int8,
@@ -42,6 +45,16 @@ from .tensor import DynSlice, Tensor
 
 NkiTensor = Tensor
 ndarray_type = Tensor
+
+
+class MemoryRegion(enum.StrEnum):
+    """The memory a tensor lives in; each member equals the ``nl.sbuf`` ... string it names."""
+
+    sbuf = "sbuf"
+    psum = "psum"
+    private_hbm = "private_hbm"
+    shared_hbm = "shared_hbm"
+
 
 sbuf = "sbuf"
 psum = "psum"
@@ -105,6 +118,10 @@ def _is_behaviour(value: Any) -> bool:
     return callable(value) or isinstance(value, (property, classmethod, staticmethod))
 
 
+DMA_TRANSPOSE_AS_PE_ENV_VAR = "NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE"
+GEMM_MOVING_TILE = 512
+
+
 class _TileSizeMeta(type):
     """Tile-size constants, read for the running kernel's target (trn2 outside a kernel)."""
 
@@ -127,7 +144,10 @@ class _TileSizeMeta(type):
 
     @property
     def gemm_moving_fmax(cls) -> int:
-        return cls._target.gemm_moving_fmax
+        # The moving tile kernels are written for: 512 on every target, as AWS's tiling overview
+        # states it and its Trn3-only MX matmul examples rely on (their moving tiles are [128, 512]
+        # x4). NeuronCore-v4's nc_matmul itself accepts wider moving operands (targets.py).
+        return GEMM_MOVING_TILE
 
     @property
     def bn_stats_fmax(cls) -> int:
@@ -144,6 +164,33 @@ class _TileSizeMeta(type):
     @property
     def total_available_sbuf_size(cls) -> int:
         return cls._target.sbuf_bytes_per_partition
+
+    @property
+    def psum_bank_fmax(cls) -> int:
+        return cls._target.psum_bank_bytes // 4
+
+    @property
+    def psum_bank_fmax_bytes(cls) -> int:
+        return cls._target.psum_bank_bytes
+
+    @property
+    def psum_num_banks(cls) -> int:
+        banks = cls._target.psum_bytes_per_partition // cls._target.psum_bank_bytes
+        # AWS: bank 7 is kept for nc_transpose when DMA transposes are lowered to TensorE (trn2+).
+        lowered = os.environ.get(DMA_TRANSPOSE_AS_PE_ENV_VAR, "").lower() == "true"
+        return banks - 1 if lowered and cls._target.generation >= 3 else banks
+
+    @property
+    def sbuf_size_bytes(cls) -> int:
+        return cls._target.sbuf_bytes_per_partition * cls._target.partitions
+
+    @property
+    def sbuf_fmax_bytes(cls) -> int:
+        return cls._target.sbuf_bytes_per_partition
+
+    @property
+    def sbuf_fmax(cls) -> int:
+        return cls._target.sbuf_bytes_per_partition // 4  # fp32 elements
 
 
 class tile_size(NKIObject, metaclass=_TileSizeMeta):
@@ -221,7 +268,9 @@ def empty_like(x: Tensor, dtype: Any = None, buffer: str | None = None, name: st
 
 
 def shared_constant(constant: Any, dtype: Any = None) -> Tensor:
-    """An HBM tensor holding ``constant`` (an array or array-like)."""
+    """A shared-HBM tensor holding ``constant``: an array (or array-like), or the path of an ``.npy`` file."""
+    if isinstance(constant, (str, os.PathLike)):
+        constant = np.load(os.fspath(constant), allow_pickle=False)
     values = np.asarray(constant)
     dt = dtypes.canonical(values.dtype if dtype is None else dtype)
     buf = runtime.current().allocate(values.shape, dt, shared_hbm, "shared_constant", fill=0)
@@ -229,9 +278,26 @@ def shared_constant(constant: Any, dtype: Any = None) -> Tensor:
     return Tensor(buf)
 
 
-def shared_identity_matrix(n: int, dtype: Any = "uint8") -> Tensor:
-    """An ``n × n`` identity matrix in HBM."""
-    return shared_constant(np.eye(int(n)), dtype)
+def shared_identity_matrix(n: int, dtype: Any = "uint8", dst: Tensor | None = None) -> Tensor:
+    """An ``n × n`` identity matrix in SBUF (written into ``dst`` when given, else a new tile).
+
+    AWS's API reference creates it in SBUF (its example compares it with a loaded tile, and the
+    nki-library kernels feed it to TensorE); the matrix itself is a shared constant that a DMA
+    brings in, as the compiler does.
+    """
+    n = int(n)
+    what = "nl.shared_identity_matrix"
+    if dst is None:
+        limit = runtime.current().target.partitions
+        if n > limit:
+            raise rule(
+                what, "n", "the identity matrix is an SBUF tile: n rows exceed the partition count", n=n, limit=limit
+            )
+        dst = ndarray((n, n), dtype, buffer=sbuf, name="identity")
+    if dst.buffer != sbuf or dst.partition_size != n or dst.free_size != n:
+        raise rule(what, "dst", f"must be an [n, n] SBUF tile for n={n}", shape=list(dst.shape), buffer=str(dst.buffer))
+    isa.dma_copy(dst, shared_constant(np.eye(n), dst.dtype))
+    return dst
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,9 +335,11 @@ def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> range:
 
 
 def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
-    """Run ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)``; bounds may be registers,
-    ``step`` is a compile-time positive integer."""
-    if not isinstance(step, (int, np.integer)) or step < 1:
+    """Run ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)`` (NKI 0.6's dynamic loop).
+
+    ``lower`` and ``upper`` may be registers; ``step`` is a compile-time positive integer.
+    """
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step <= 0:
         raise rule("nl.fori_loop", "step", "must be a compile-time positive integer", step=step)
     for i in range(int(lower), int(upper), int(step)):
         body_fun(i)
@@ -448,7 +516,7 @@ _PRECISION = [
 
 def _promote(*values: Any) -> dtypes.DType:
     tiles = [v.dtype for v in values if isinstance(v, Tensor)]
-    if any(isinstance(v, float) for v in values) and all(not dtypes.is_float(t) for t in tiles):
+    if any(isinstance(v, float) for v in values) and builtins.all(not dtypes.is_float(t) for t in tiles):
         return float32
     return builtins.max(tiles, key=lambda d: _PRECISION.index(d) if d in _PRECISION else len(_PRECISION))
 
@@ -484,7 +552,7 @@ _PI = float(np.float32(np.pi))
 
 
 def _is_column(t: Tensor, parts: int) -> bool:
-    return t.ndim >= 2 and t.shape[0] == parts and all(s == 1 for s in t.shape[1:])
+    return t.ndim >= 2 and t.shape[0] == parts and builtins.all(s == 1 for s in t.shape[1:])
 
 
 def _column_operand(column: Tensor, op: ops.Op) -> Tensor:
@@ -519,7 +587,7 @@ def _binary(op: ops.Op, x: Any, y: Any, dtype: Any = None) -> Any:
 
 
 # Operators that compute on one tile although they also have a binary ALU form.
-_UNARY_FORMS = ("abs", "rsqrt", "reciprocal")
+_UNARY_FORMS = ("abs", "rsqrt", "reciprocal", "square", "relu")
 
 
 def apply_operator(op: ops.Op, x: Any, *rest: Any, dtype: Any = None) -> Any:
@@ -593,20 +661,140 @@ prod = _Reduction("prod", "multiply")
 mean = _Reduction("mean", "add")
 
 
-def softmax(x: Tensor, axis: int = -1, dtype: Any = None) -> Tensor:
-    """Numerically stable softmax along the last free axis: max, exp(x - max) with sum, scale."""
-    if axis % x.ndim != x.ndim - 1 or x.ndim < 2:
-        raise ValueError(f"nl.softmax: only the last free axis is supported, got axis={axis} for {list(x.shape)}")
-    parts = x.partition_size
-    row_max = ndarray((parts, 1), float32, buffer=sbuf)
-    isa.tensor_reduce(row_max, ops.ALL["maximum"], x, x.ndim - 1, negate=True)
+def _free_axes(x: Tensor, axis: Any, what: str) -> tuple[int, ...]:
+    """``axis`` (an int or a list) as sorted dims: free dims only, the last contiguous ones."""
+    axes = tuple(sorted({int(a) % x.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])}))
+    if x.ndim < 2 or 0 in axes or axes != tuple(range(axes[0], x.ndim)):
+        raise rule(
+            what, "axis", "must be the last contiguous free dims ([1], [1, 2], ...)", axis=axes, shape=list(x.shape)
+        )
+    return axes
+
+
+def _kept_slices(x: Tensor, axes: tuple[int, ...]) -> Iterator[tuple[Any, ...]]:
+    """Index tuples that cut ``x`` into [P, *reduced dims] pieces, one per kept free position."""
+    for position in np.ndindex(*x.shape[1 : axes[0]]):
+        yield (slice(None),) + position
+
+
+def softmax(x: Tensor, axis: Any = -1, dtype: Any = None) -> Tensor:
+    """Numerically stable softmax over ``axis`` (the last free dims): max, exp(x - max) with sum, scale.
+
+    Kept free dims before the reduced ones are handled one [P, reduced...] piece at a time.
+    """
+    axes = _free_axes(x, axis, "nl.softmax")
     out = ndarray(x.shape, x.dtype if dtype is None else dtype, buffer=sbuf)
-    total = ndarray((parts, 1), float32, buffer=sbuf)
-    isa.activation_reduce(out, ops.ALL["exp"], x, ops.ALL["add"], total, bias=row_max)
-    inverse = ndarray((parts, 1), float32, buffer=sbuf)
-    isa.reciprocal(inverse, total)
-    isa.tensor_scalar(out, out, ops.ALL["multiply"], inverse)
+    parts = x.partition_size
+    for index in _kept_slices(x, axes):
+        piece, result = x[index], out[index]
+        row_max = ndarray((parts, 1), float32, buffer=sbuf)
+        isa.tensor_reduce(row_max, ops.ALL["maximum"], piece, tuple(range(1, piece.ndim)), negate=True)
+        total = ndarray((parts, 1), float32, buffer=sbuf)
+        isa.activation_reduce(result, ops.ALL["exp"], piece, ops.ALL["add"], total, bias=row_max)
+        inverse = ndarray((parts, 1), float32, buffer=sbuf)
+        isa.reciprocal(inverse, total)
+        isa.tensor_scalar(result, result, ops.ALL["multiply"], inverse)
     return out
+
+
+def _keepdims_shape(x: Tensor, axes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(1 if d in axes else n for d, n in enumerate(x.shape))
+
+
+def var(x: Tensor, axis: Any, dtype: Any = None, keepdims: bool = False) -> Tensor:
+    """Population variance over ``axis`` (the last free dims); the result always keeps the reduced dims
+    as size one, as AWS documents (``keepdims`` is accepted and ignored)."""
+    axes = _free_axes(x, axis, "nl.var")
+    parts = x.partition_size
+    count = int(np.prod([x.shape[a] for a in axes]))
+    out = ndarray(_keepdims_shape(x, axes), x.dtype if dtype is None else dtype, buffer=sbuf)
+    for index in _kept_slices(x, axes):
+        piece = x[index]
+        neg_mean = ndarray((parts, 1), float32, buffer=sbuf)
+        isa.tensor_reduce(neg_mean, ops.ALL["add"], piece, tuple(range(1, piece.ndim)), negate=True)
+        isa.tensor_scalar(neg_mean, neg_mean, ops.ALL["multiply"], 1.0 / count)
+        squares = ndarray(piece.shape, float32, buffer=sbuf)
+        square_sum = ndarray((parts, 1), float32, buffer=sbuf)
+        isa.activation_reduce(squares, ops.ALL["square"], piece, ops.ALL["add"], square_sum, bias=neg_mean)
+        isa.tensor_scalar(out[index].reshape((parts, 1)), square_sum, ops.ALL["multiply"], 1.0 / count)
+    return out
+
+
+def all(x: Tensor, axis: Any, dtype: Any = None) -> Tensor:  # noqa: A001  (NKI's name)
+    """1 where every element along ``axis`` (the last free dims) is non-zero, else 0."""
+    axes = _free_axes(x, axis, "nl.all")
+    nonzero = ndarray(x.shape, float32, buffer=sbuf)
+    isa.tensor_scalar(nonzero, x, ops.ALL["not_equal"], 0.0)
+    return min(nonzero, list(axes), dtype=x.dtype if dtype is None else dtype)
+
+
+def rms_norm(
+    x: Tensor, w: Tensor, axis: Any, n: int, epsilon: float = 1e-6, dtype: Any = None, compute_dtype: Any = None
+) -> Tensor:
+    """``x / sqrt(sum(x**2 over axis) / n + epsilon) * w``; intermediates in ``compute_dtype`` (fp32 by default)."""
+    axes = _free_axes(x, axis, "nl.rms_norm")
+    work = float32 if compute_dtype is None else compute_dtype
+    parts = x.partition_size
+    out = ndarray(x.shape, x.dtype if dtype is None else dtype, buffer=sbuf)
+    weight = w if w.shape == x.shape else w.broadcast_to(x.shape)
+    for index in _kept_slices(x, axes):
+        piece = x[index]
+        squares = ndarray(piece.shape, work, buffer=sbuf)
+        square_sum = ndarray((parts, 1), float32, buffer=sbuf)
+        isa.activation_reduce(squares, ops.ALL["square"], piece, ops.ALL["add"], square_sum)
+        inverse_rms = ndarray((parts, 1), float32, buffer=sbuf)
+        isa.tensor_scalar(
+            inverse_rms, square_sum, ops.ALL["multiply"], 1.0 / int(n), op1=ops.ALL["add"], operand1=float(epsilon)
+        )
+        isa.activation(inverse_rms, ops.ALL["rsqrt"], inverse_rms)
+        scaled = ndarray(piece.shape, work, buffer=sbuf)
+        isa.tensor_scalar(scaled, piece, ops.ALL["multiply"], inverse_rms)
+        isa.tensor_tensor(out[index], scaled, weight[index], ops.ALL["multiply"])
+    return out
+
+
+def gather_flattened(data: Tensor, indices: Tensor, axis: int = 0, dtype: Any = None) -> Tensor:
+    """Per partition, the elements of ``data``'s flattened free dims at ``indices`` (GpSimd's gather).
+
+    The result has ``indices``' shape. Indices are read as uint32, so another integer index tile is
+    first copied to uint32.
+    """
+    if int(axis) != 0:
+        raise rule("nl.gather_flattened", "axis", "only axis 0 (gather within each partition) is supported", axis=axis)
+    if dtypes.name(indices.dtype) != "uint32":
+        indices = _to_sbuf(indices, uint32)
+    gathered = ndarray(indices.shape, data.dtype, buffer=sbuf)
+    isa.nc_n_gather(gathered, data, indices)
+    if dtype is None or dtypes.canonical(dtype) == data.dtype:
+        return gathered
+    return _to_sbuf(gathered, dtype)
+
+
+def random_seed(seed: Tensor) -> None:
+    """Seed the random numbers of ``nl.rand`` (and ``nisa.rng``) from a [1, 1] 32-bit tile."""
+    isa.set_rng_seed(seed)
+
+
+# nl.rand keeps 24 random bits: the fraction bits * 2**-24 is exact in fp32 and always below 1.
+_RAND_FRACTION_BITS = 24
+
+
+def rand(shape: Sequence[int], dtype: Any, buffer: str | None = None, name: str = "") -> Tensor:
+    """A new tile of uniform random values in [0, 1): ``nisa.rng`` bits scaled on VectorE.
+
+    The simulator's generator is deterministic per seed but is not the device's bit stream.
+    """
+    bits = ndarray(shape, uint32, buffer=sbuf)
+    isa.rng(bits)
+    isa.tensor_scalar(bits, bits, ops.ALL["right_shift"], 32 - _RAND_FRACTION_BITS)
+    buffer = sbuf if buffer is None else buffer
+    out = ndarray(shape, dtype, buffer=buffer if buffer in runtime.ON_CHIP else sbuf, name=name)
+    isa.tensor_scalar(out, bits, ops.ALL["multiply"], 2.0**-_RAND_FRACTION_BITS)
+    if buffer in runtime.ON_CHIP:
+        return out
+    stored = ndarray(shape, dtype, buffer=buffer, name=name)
+    isa.dma_copy(stored, out)
+    return stored
 
 
 def dropout(x: Tensor, rate: Any, dtype: Any = None) -> Tensor:

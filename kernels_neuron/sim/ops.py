@@ -203,6 +203,9 @@ ACTIVATION = {name: Op(name, unary=_fp32(fn)) for name, fn in _ACTIVATION_FNS.it
 ACTIVATION["abs"] = Op("abs", unary=_fp32(np.abs), binary=_fp32(lambda a, b: np.abs(a)))
 ACTIVATION["rsqrt"].binary = _fp32(lambda a, b: 1.0 / np.sqrt(a))
 ACTIVATION["reciprocal"].binary = _fp32(lambda a, b: 1.0 / a)
+# AWS's ALU operator table lists square and relu as unary arithmetic operators too (operand ignored).
+ACTIVATION["square"].binary = _fp32(lambda a, b: np.square(a))
+ACTIVATION["relu"].binary = _fp32(lambda a, b: np.maximum(a, 0.0))
 # ``bypass`` skips a stage of a two-operator instruction; as an activation it copies.
 BYPASS = Op("bypass", unary=_fp32(lambda x: x), binary=_fp32(lambda a, b: a))
 PRELU = Op("prelu", unary=_fp32(lambda x: x))  # slope comes from relu_param at the call site
@@ -210,7 +213,20 @@ PRELU = Op("prelu", unary=_fp32(lambda x: x))  # slope comes from relu_param at 
 # nki.language.abs_max / abs_min: "Available only on NeuronCore-v4 (trn3) and newer".
 NEURONCORE_V4_OPS = frozenset({"abs_max", "abs_min"})
 
-ALL: dict[str, Op] = {**ARITH, **COMPARE, **LOGICAL, **BITVEC, **ACTIVATION, "bypass": BYPASS, "prelu": PRELU}
+# ``nl.average``: a reduction operator (tensor_partition_reduce), the mean of what it reduces;
+# as a binary it is the mean of its two operands.
+AVERAGE = Op("average", binary=_fp32(lambda a, b: (a + b) * np.float32(0.5)))
+
+ALL: dict[str, Op] = {
+    **ARITH,
+    **COMPARE,
+    **LOGICAL,
+    **BITVEC,
+    **ACTIVATION,
+    "bypass": BYPASS,
+    "prelu": PRELU,
+    "average": AVERAGE,
+}
 
 
 def as_alu(op: Any, instruction: str, role: str = "op") -> Op:

@@ -16,7 +16,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import dtypes, frontend
-from .errors import NkiValidationError, rule
+from .errors import NkiValidationError, SimulatorUnsupported, rule
 from .runtime import PSUM_BY_OTHER, PSUM_UNWRITTEN, Buffer, region_of
 from .trace import Region
 
@@ -399,6 +399,74 @@ class Tensor:
         """Split dimension ``dim`` into ``shape`` (one entry may be -1)."""
         return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1 :])
 
+    def rearrange(
+        self, src_pattern: Sequence[Any], dst_pattern: Sequence[Any], fixed_sizes: dict[str, int] | None = None
+    ) -> Tensor:
+        """An einops-style view: ``t.rearrange(('b', ('h', 'w')), ('b', 'w', 'h'), {'h': 4})``.
+
+        Each pattern entry names one dim or, as a tuple of names, a group: a group in
+        ``src_pattern`` splits that dim (sizes from ``fixed_sizes``, one may be inferred), a group in
+        ``dst_pattern`` merges dims. Both patterns must use the same names.
+        """
+        what = "rearrange"
+        fixed = dict(fixed_sizes or {})
+        if len(src_pattern) != self.ndim:
+            raise ValueError(
+                f"{what}: src_pattern {src_pattern} has {len(src_pattern)} entries, the tensor {self.ndim} dims"
+            )
+        sizes: dict[str, int] = {}
+        order: list[str] = []
+        for entry, extent in zip(src_pattern, self.shape):
+            names = [entry] if isinstance(entry, str) else list(entry)
+            unknown = [n for n in names if n not in fixed]
+            known = int(np.prod([fixed[n] for n in names if n in fixed]))
+            if len(unknown) > 1 or (not unknown and known != extent) or extent % known:
+                raise ValueError(f"{what}: cannot split a dim of size {extent} into {tuple(names)} with sizes {fixed}")
+            for name in names:
+                sizes[name] = fixed.get(name, extent // known)
+            order.extend(names)
+        flat_dst = [name for entry in dst_pattern for name in ([entry] if isinstance(entry, str) else entry)]
+        if sorted(flat_dst) != sorted(order) or len(set(order)) != len(order):
+            raise ValueError(f"{what}: {dst_pattern} must name exactly the dims of {src_pattern}, once each")
+        split = self.reshape(tuple(sizes[name] for name in order))
+        moved = split.permute(tuple(order.index(name) for name in flat_dst))
+        merged = [
+            sizes[entry] if isinstance(entry, str) else int(np.prod([sizes[n] for n in entry])) for entry in dst_pattern
+        ]
+        return moved.reshape(tuple(merged))
+
+    def vector_select(self, dim: int, vector_offset: Tensor) -> Tensor:
+        """Per-partition indirect rows of an HBM tensor: row ``vector_offset[p]`` of dim 0 for each ``p``.
+
+        The result has ``vector_offset.shape[0]`` rows and is an indirect view, resolved by the DMA
+        instruction that reads or writes it (as ``.ap(..., vector_offset=...)``).
+        """
+        self._direct("vector_select")
+        if int(dim) != 0:
+            raise rule("vector_select", "dim", "must be 0", dim=dim)
+        if self.on_chip:
+            raise rule("vector_select", repr(self), "vector_select applies to HBM tensors only")
+        if not isinstance(vector_offset, Tensor) or vector_offset.buffer != "sbuf":
+            raise rule("vector_select", "vector_offset", "must be an SBUF tile of per-partition indices")
+        itemsize = self._view.itemsize
+        if itemsize != self._buf.data.itemsize:
+            raise rule("vector_select", repr(self), "select rows before reinterpreting the dtype with .view()")
+        base = self._buf.data.__array_interface__["data"][0]
+        start = (self._view.__array_interface__["data"][0] - base) // itemsize
+        steps = tuple(stride // itemsize for stride in self._view.strides)
+        nums = (vector_offset.shape[0],) + self.shape[1:]
+        indirect = Indirect(vector_offset, 0, start, steps, nums)
+        shape_only = np.broadcast_to(self._buf.data.reshape(-1)[:1], nums)
+        return Tensor(self._buf, shape_only, self._dtype, indirect=indirect)
+
+    def indirect(self, index: Tensor, num_elem: int | None = None) -> Tensor:
+        """NeuronCore-v4 tensor indirection (compute engines gathering/scattering free-dim columns):
+        documented, not simulated yet; calling it raises ``SimulatorUnsupported``."""
+        raise SimulatorUnsupported(
+            "NkiTensor.indirect (NeuronCore-v4 tensor indirection) is part of the NKI API but the "
+            "kernels-neuron simulator does not run it; gather with .ap(vector_offset=...) and a DMA instead"
+        )
+
     def ap(
         self,
         pattern: Sequence[Sequence[int]],
@@ -560,10 +628,14 @@ class Tensor:
         return self._binary(other, "not_equal")
 
     def __bool__(self) -> bool:
-        raise TypeError(
-            f"the truth value of {self!r} is unknown while tracing a kernel; "
-            "compare with nl/nisa instructions instead of Python control flow"
-        )
+        """True when every element is non-zero, read now.
+
+        AWS's API examples check results inside kernels with ``assert nl.equal(a, b)``; a
+        simulated kernel runs eagerly, so the tile's current values decide.
+        """
+        if self._indirect is not None:
+            raise TypeError(f"the truth value of an indirect access pattern {self!r} is not defined")
+        return bool(np.all(np.asarray(self.read()) != 0))
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise TypeError(

@@ -351,16 +351,11 @@ VIOLATIONS = [
         r"nisa\.dma_copy: dge_mode: hardware DGE needs NeuronCore-v3 or newer \(target=trn1\)",
     ),
     (
-        "hwdge-dtype-cast",
-        lambda: nisa.dma_copy(dst=sb((128, 8), BF16), src=hbm((128, 8)), dge_mode=nisa.dge_mode.hwdge),
+        "dma-transpose-4-byte-hwdge",
+        lambda: nisa.dma_transpose(sb((8, 16)), hbm((16, 8)), dge_mode=nisa.dge_mode.hwdge),
         "trn2",
-        r"nisa\.dma_copy: dge_mode: hardware DGE cannot convert dtypes.*\(src=float32, dst=bfloat16\)",
-    ),
-    (
-        "dma-transpose-4-byte",
-        lambda: nisa.dma_transpose(sb((8, 16)), hbm((16, 8))),
-        "trn2",
-        r"nisa\.dma_transpose: src: DMA transpose moves 2-byte dtypes only \(dtype=float32\)",
+        r"nisa\.dma_transpose: src: hardware-DGE and indirect DMA transposes move 2-byte dtypes only "
+        r"\(dtype=float32\)",
     ),
     (
         "dma-transpose-into-hbm",
@@ -716,7 +711,7 @@ VIOLATIONS += [
         "partition-reduce-op",
         lambda: nisa.tensor_partition_reduce(sb((1, 8)), nl.multiply, sb((128, 8))),
         "trn2",
-        r"nisa\.tensor_partition_reduce: op: must be add, maximum, bitwise_or or bitwise_and \(op=multiply\)",
+        r"nisa\.tensor_partition_reduce: op: must be add, average, maximum, bitwise_or or bitwise_and \(op=multiply\)",
     ),
     (
         "partition-reduce-dst",
@@ -851,6 +846,18 @@ VIOLATIONS += [
         "trn2",
         r"nisa\.dma_transpose: src: a hardware-DGE transpose needs src\.shape\[0\] == 16 \(2-D; .*\) and "
         r"src\.shape\[-1\] <= 128 \(shape=\[8, 64\]\)",
+    ),
+    (
+        "dma-transpose-hwdge-3d-leading",
+        lambda: nisa.dma_transpose(sb((8, 16, 3), BF16), hbm((3, 16, 8), BF16), dge_mode=nisa.dge_mode.hwdge),
+        "trn2",
+        r"nisa\.dma_transpose: src: a hardware-DGE transpose needs .* \(shape=\[3, 16, 8\]\)",
+    ),
+    (
+        "dma-transpose-hwdge-3d-rows",
+        lambda: nisa.dma_transpose(sb((8, 4, 2), BF16), hbm((2, 4, 8), BF16), dge_mode=nisa.dge_mode.hwdge),
+        "trn2",
+        r"nisa\.dma_transpose: src: a hardware-DGE transpose needs .* \(shape=\[2, 4, 8\]\)",
     ),
     (
         "dma-compute-op",
@@ -1280,14 +1287,31 @@ def test_returning_an_on_chip_tensor_is_an_error():
         sim.run(kernel, DUMMY)
 
 
-def test_returning_a_private_hbm_tensor_is_an_error():
+@pytest.mark.parametrize("buffer", ["hbm", "private_hbm"])
+def test_returning_a_private_hbm_tensor_from_an_spmd_program_is_an_error(buffer):
+    def kernel(x):
+        t = nl.ndarray((1, 1), F32, buffer=buffer)
+        nisa.dma_copy(dst=t, src=x)
+        return t
+
+    with pytest.raises(
+        sim.NkiValidationError, match=rf"nki\.jit: return value: .* private HBM \({buffer}\).*nl\.shared_hbm"
+    ):
+        sim.run(kernel, DUMMY, grid=2)
+    if buffer == "private_hbm":  # explicitly private memory is never an output
+        with pytest.raises(sim.NkiValidationError, match=r"private HBM \(private_hbm\)"):
+            sim.run(kernel, DUMMY)
+
+
+def test_an_nl_hbm_tensor_is_an_output_without_a_grid():
+    """AWS's nonzero_with_count example returns an nl.hbm tensor from a kernel launched without a grid."""
+
     def kernel(x):
         t = nl.ndarray((1, 1), F32, buffer=nl.hbm)
         nisa.dma_copy(dst=t, src=x)
         return t
 
-    with pytest.raises(sim.NkiValidationError, match=r"nki\.jit: return value: .* private HBM \(hbm\).*nl\.shared_hbm"):
-        sim.run(kernel, DUMMY)
+    np.testing.assert_array_equal(sim.run(kernel, np.full((1, 1), 3.0, np.float32)).outputs, [[3.0]])
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.int64])

@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 FORCE_ENV_VAR = "KERNELS_NEURON_FORCE_SIM"
-_MODULES = ("nki", "nki.language", "nki.isa")
+_MODULES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing", "nki.dtype")
 
 
 def real_nki_available() -> bool:
@@ -104,9 +104,13 @@ def install(force: bool | None = None) -> str:
 
     for name in _MODULES:
         sys.modules.pop(name, None)
-    sys.modules["nki"] = build()
+    nki = build()
+    sys.modules["nki"] = nki
     sys.modules["nki.language"] = language
     sys.modules["nki.isa"] = isa
+    sys.modules["nki.isa.constants"] = isa.constants
+    sys.modules["nki.typing"] = nki.typing
+    sys.modules["nki.dtype"] = nki.dtype
     return "simulator"
 
 

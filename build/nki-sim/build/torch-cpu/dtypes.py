@@ -52,11 +52,14 @@ bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)
 float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
 float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+# An exponent-only byte (2**(e - 127), 0xFF is NaN): the power-of-two scale of MX formats.
+float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)
 tfloat32 = SpecialDType("tfloat32", np.float32, 4)
-# Four 8-bit (or 4-bit) values packed in 32 bits, only consumed by nc_matmul_mx on Trn3.
+# Four values packed along the contraction dim for Trn3's MX instructions: four 8-bit values in 32
+# bits, or four 4-bit values in 16 bits (AWS's MXFP matmul guide: "The float4_*_x4 type is 16-bits wide").
 float8_e5m2_x4 = SpecialDType("float8_e5m2_x4", np.uint32, 4)
 float8_e4m3fn_x4 = SpecialDType("float8_e4m3fn_x4", np.uint32, 4)
-float4_e2m1fn_x4 = SpecialDType("float4_e2m1fn_x4", np.uint32, 4)
+float4_e2m1fn_x4 = SpecialDType("float4_e2m1fn_x4", np.uint16, 2)
 
 _BY_NAME: dict[str, DType] = {
     "bool": bool_,
@@ -73,6 +76,7 @@ _BY_NAME: dict[str, DType] = {
     "float8_e4m3": float8_e4m3,
     "float8_e4m3fn": float8_e4m3fn,
     "float8_e5m2": float8_e5m2,
+    "float8_e8m0fnu": float8_e8m0fnu,
     "tfloat32": tfloat32,
     "float8_e5m2_x4": float8_e5m2_x4,
     "float8_e4m3fn_x4": float8_e4m3fn_x4,
@@ -139,7 +143,7 @@ def is_float(dtype: DType) -> bool:
         return True
     if isinstance(dtype, SpecialDType):
         return False
-    return dtype.kind == "f" or dtype in FP8 or dtype == bfloat16
+    return dtype.kind == "f" or dtype in FP8 or dtype == bfloat16 or dtype == float8_e8m0fnu
 
 
 def is_int(dtype: DType) -> bool:

@@ -4,10 +4,40 @@ from __future__ import annotations
 
 import types
 
-from . import isa, language
+from . import dtypes, isa, language, nki_typing
 from .jit import jit, simulate
 
 __version__ = "0.6-sim"
+
+
+# The dtypes AWS documents (``nki.language``'s Data Types), also reachable as ``nki.dtype.<name>``.
+DOCUMENTED_DTYPES = (
+    "bool_",
+    "int8",
+    "int16",
+    "int32",
+    "uint8",
+    "uint16",
+    "uint32",
+    "float16",
+    "float32",
+    "bfloat16",
+    "tfloat32",
+    "float8_e4m3",
+    "float8_e5m2",
+    "float8_e4m3fn",
+    "float8_e8m0fnu",
+    "float8_e5m2_x4",
+    "float8_e4m3fn_x4",
+    "float4_e2m1fn_x4",
+)
+
+
+def build_dtype_module() -> types.ModuleType:
+    """``nki.dtype``: the NKI dtypes (NumPy dtypes where NumPy has one, usable as ``np.zeros(dtype=...)``)."""
+    module = types.ModuleType("nki.dtype", "NKI data types.")
+    vars(module).update({name: getattr(dtypes, name) for name in DOCUMENTED_DTYPES})
+    return module
 
 
 def build() -> types.ModuleType:
@@ -18,6 +48,8 @@ def build() -> types.ModuleType:
         simulate=simulate,
         language=language,
         isa=isa,
+        typing=nki_typing,
+        dtype=build_dtype_module(),
         __version__=__version__,
         __path__=[],  # a package, so ``import nki.language`` resolves through sys.modules
         __kernels_neuron_simulator__=True,

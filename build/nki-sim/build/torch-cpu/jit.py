@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes, runtime
+from . import cores, dtypes, runtime
 from .errors import NkiValidationError
 from .targets import Target, resolve
 from .tensor import Tensor
@@ -169,8 +169,10 @@ def launch(
     trace = Trace(chosen.name, kernel=getattr(kernel.func, "__name__", ""))
     grid = kernel.grid or (1,)
     shared: dict[int, runtime.Buffer] = {}
-    outputs: Any = None
-    for program in np.ndindex(*grid):
+    outputs: list[Any] = [None]
+    programs: cores.Programs | None = None
+
+    def run_program(program: tuple[int, ...]) -> None:
         rt = runtime.Run(
             chosen,
             capacity=capacity,
@@ -181,11 +183,22 @@ def launch(
             seed=seed,
             explicit_grid=kernel.grid is not None,
         )
+        rt.cores = programs
         with runtime.activate(rt):
             hbm_args = [_to_hbm(rt, a, f"arg{i}") for i, a in enumerate(args)]
             hbm_kwargs = {k: _to_hbm(rt, v, k) for k, v in kwargs.items()}
             returned = kernel.func(*hbm_args, **hbm_kwargs)
-            outputs = _from_hbm(returned, torch_in)
+            outputs[0] = _from_hbm(returned, torch_in)
+
+    every_program = list(np.ndindex(*grid))
+    if len(every_program) == 1:
+        run_program(every_program[0])
+    else:
+        # One program at a time, in order; cores.Programs lets programs that wait for each other
+        # (sendrecv, core_barrier) hand over.
+        programs = cores.Programs([functools.partial(run_program, p) for p in every_program])
+        programs.run()
+    outputs = outputs[0]
     for sink in getattr(_captures, "stack", None) or ():
         sink.append(trace)
     return SimResult(outputs, trace)
@@ -212,6 +225,12 @@ def _to_hbm(rt: runtime.Run, value: Any, name: str) -> Any:
     return value
 
 
+def _single_program_hbm(value: Tensor) -> bool:
+    """An ``nl.hbm`` tensor returned by a kernel launched without a grid: AWS's API examples
+    (``nki.isa.nonzero_with_count``) return one, so it is an output like ``nl.shared_hbm``."""
+    return value.buffer == "hbm" and runtime.current().grid == (1,)
+
+
 def _from_hbm(value: Any, torch_out: bool) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_from_hbm(v, torch_out) for v in value)
@@ -223,10 +242,11 @@ def _from_hbm(value: Any, torch_out: bool) -> Any:
                 f"nki.jit: return value: {value!r} is in {value.buffer.upper()}; kernels return HBM tensors: "
                 "dma_copy it into an nl.shared_hbm tensor first"
             )
-        if value.buffer != "shared_hbm":
+        if value.buffer != "shared_hbm" and not _single_program_hbm(value):
             raise KernelInterfaceError(
                 f"nki.jit: return value: {value!r} is in private HBM ({value.buffer}); kernel outputs "
-                "must be allocated with buffer=nl.shared_hbm"
+                "must be allocated with buffer=nl.shared_hbm (an nl.hbm output is accepted only "
+                "without an SPMD grid, where the one program's HBM is the kernel's)"
             )
         array = np.array(value.read(), copy=True)
         return dtypes.numpy_to_torch(array) if torch_out else array

@@ -27,7 +27,7 @@ VECTOR_TRANSPOSE_MAX = 32
 def tile(x: Any, instr: str, role: str) -> Tensor:
     if not isinstance(x, Tensor):
         raise rule(instr, role, f"expected an NKI tensor, got {type(x).__name__}")
-    if x._indirect is not None and instr not in ("nisa.dma_copy", "nisa.dma_transpose"):
+    if x._indirect is not None and instr not in ("nisa.dma_copy", "nisa.dma_transpose", "nisa.dma_compute"):
         raise rule(instr, role, "indirect (vector_offset) access patterns are only for DMA instructions")
     return x
 

@@ -82,7 +82,14 @@ class Run:
         self._next_id = 0
         self._shared = shared if shared is not None else {}
         self._shared_seq = 0
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
+        # Per-lane generator state of nisa.rand_set_state / rand_get_state, by engine (see prng.py).
+        self.prng_states: dict[str, np.ndarray] = {}
+        self.prng_seeded: set[str] = set()
+        # The launch's program scheduler (cores.Programs) when it runs several programs, for the
+        # cross-core instructions; None for a single program.
+        self.cores: Any = None
         # ScalarE reduce registers and VectorE accumulators: one fp32 value per partition lane.
         self.scalar_accumulator = np.zeros(target.partitions, dtype=np.float32)
         self.vector_accumulator = np.zeros(target.partitions, dtype=np.float32)
