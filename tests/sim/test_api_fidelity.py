@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import pytest
+from kernel_io import run_body, to_hbm, to_sbuf
 
 from kernels_neuron import sim
 
@@ -22,31 +23,6 @@ import nki.isa as nisa  # noqa: E402
 import nki.language as nl  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
-
-
-def _load(x):
-    tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=x)
-    return tile
-
-
-def _store(t):
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=t)
-    return out
-
-
-def run(body, *arrays, target="trn2"):
-    """Load ``arrays`` into SBUF, call ``body(*tiles)``, store what it returns; the SimResult."""
-
-    @nki.jit
-    def kernel(*hbm):
-        outs = body(*[_load(x) for x in hbm])
-        single = not isinstance(outs, (tuple, list))
-        stored = tuple(_store(o) for o in ((outs,) if single else outs))
-        return stored[0] if single else stored
-
-    return sim.run(kernel, *arrays, target=target)
 
 
 def sb(shape, dtype):
@@ -66,7 +42,7 @@ def test_right_shift_is_a_logical_shift():
         nisa.tensor_scalar(dst=by_isa, data=t, op0=nl.right_shift, operand0=1)
         return by_isa, nl.right_shift(t, 1)
 
-    by_isa, by_language = run(body, x).outputs
+    by_isa, by_language = run_body(body, x).outputs
     np.testing.assert_array_equal(by_isa, np.full((4, 8), 2147483644, np.int32))
     np.testing.assert_array_equal(by_language, np.full((4, 8), 2147483644, np.int32))
 
@@ -91,7 +67,7 @@ def test_float_to_int32_writes_round_to_nearest_even_and_saturate(dtype, values,
         nisa.tensor_copy(dst=dst, src=t)
         return dst
 
-    out = run(body, x).outputs
+    out = run_body(body, x).outputs
     np.testing.assert_array_equal(out, np.tile(np.array(expected, dtype=dtype), (2, 1)))
 
 
@@ -106,7 +82,7 @@ def test_nl_copy_is_a_bit_exact_vector_engine_copy():
     def body(t):
         return nl.copy(t)
 
-    result = run(body, x)
+    result = run_body(body, x)
     np.testing.assert_array_equal(result.outputs, x)
     ops = [(i.engine, i.op) for i in result.trace if i.engine != "dma"]
     assert ops == [("vector", "tensor_copy")]
@@ -123,7 +99,7 @@ def test_activation_sin_extrapolates_a_cubic_outside_pi_and_nl_sin_reduces_the_r
         nisa.activation(dst=raw, op=nl.sin, data=t)
         return raw, nl.sin(t)
 
-    raw, reduced = run(body, x).outputs
+    raw, reduced = run_body(body, x).outputs
     assert raw[0, 0] == pytest.approx(27.65, abs=0.01)
     assert raw[0, 1] == pytest.approx(-27.65, abs=0.01)
     np.testing.assert_allclose(raw[:, 2:], np.sin(x[:, 2:]), rtol=1e-6)
@@ -158,7 +134,7 @@ def test_while_loop_passes_the_condition_register_to_the_body():
 
         nl.while_loop(reg, body)
         assert seen == [3, 2, 1]
-        return _store(acc)
+        return to_hbm(acc)
 
     np.testing.assert_array_equal(kernel(count, val), np.full((1, 1), 7.5, np.float32))
 
@@ -172,7 +148,7 @@ def test_fori_loop_takes_a_step():
         nl.fori_loop(1, 8, seen.append, step=3)
         with pytest.raises(sim.NkiValidationError, match=r"nl\.fori_loop: step: must be a compile-time positive"):
             nl.fori_loop(0, 4, seen.append, step=0)
-        return _store(_load(x))
+        return to_hbm(to_sbuf(x))
 
     kernel(np.zeros((1, 1), np.float32))
     assert seen == [1, 4, 7]
@@ -187,7 +163,7 @@ def test_mean_keeps_fp32_intermediates():
     def body(t):
         return nl.mean(t, axis=1)
 
-    out = run(body, x).outputs
+    out = run_body(body, x).outputs
     expected = (x.astype(np.float64).sum(axis=1) / 96).astype(np.float32).astype(BF16)
     np.testing.assert_array_equal(out.reshape(-1).view(np.uint16), expected.view(np.uint16))
 
@@ -208,7 +184,7 @@ def test_nc_find_index8_pairs_duplicates_in_order_and_marks_absent_values():
         nisa.nc_find_index8(dst=d16, data=d, vals=v)
         return d32, d16
 
-    d32, d16 = run(body, data, vals).outputs
+    d32, d16 = run_body(body, data, vals).outputs
     np.testing.assert_array_equal(d32[0], [2, 4, 5, 6, 7, 8, 9, 0xFFFFFFFF])
     np.testing.assert_array_equal(d16[0], [2, 4, 5, 6, 7, 8, 9, 0xFFFF])
 
@@ -224,7 +200,7 @@ def test_nc_match_replace8_processes_vals_in_reverse():
         nisa.nc_match_replace8(dst=dst, data=d, vals=v, imm=-1.0, dst_idx=idx)
         return dst, idx
 
-    dst, idx = run(body, data, vals).outputs
+    dst, idx = run_body(body, data, vals).outputs
     np.testing.assert_array_equal(idx[0], [2, 10, 9, 8, 7, 6, 5, 4])
     np.testing.assert_array_equal(dst[0], [1, 2, -1, 4, -1, -1, -1, -1, -1, -1, -1])
 
@@ -254,7 +230,7 @@ def test_an_engine_given_by_its_documented_integer_selects_that_engine():
         nisa.tensor_scalar(dst=dst, data=t, op0=nl.multiply, operand0=2.0, engine=5)  # vector, not sync
         return dst
 
-    result = run(body, x)
+    result = run_body(body, x)
     assert [i.engine for i in result.trace if i.op == "tensor_scalar"] == ["vector"]
 
 
@@ -306,6 +282,6 @@ def test_a_tensor_compared_with_none_is_a_python_check():
         answers.extend([t == None, t != None])  # noqa: E711  (the NKI idiom under test)
         return t
 
-    result = run(body, x)
+    result = run_body(body, x)
     assert answers == [False, True]
     assert [i.op for i in result.trace] == ["dma_copy", "dma_copy"]

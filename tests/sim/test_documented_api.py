@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from kernel_io import to_hbm, to_sbuf
 
 from kernels_neuron import sim
 
@@ -19,22 +20,6 @@ import nki.isa as nisa  # noqa: E402
 import nki.language as nl  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
-
-
-def _hbm_out(tile):
-    if tile.buffer == nl.psum:  # DMA cannot read PSUM: evict through SBUF first
-        staged = nl.ndarray(tile.shape, tile.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=staged, src=tile)
-        tile = staged
-    out = nl.ndarray(tile.shape, tile.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=tile)
-    return out
-
-
-def _sbuf_in(x):
-    tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=x)
-    return tile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -49,7 +34,7 @@ def test_nki_typing_annotations_as_aws_examples_use_them():
     @nki.jit
     def double(in_tensor: tensor):
         tile: tensor[4, 8] = nl.load(in_tensor)
-        return _hbm_out(nl.multiply(tile, 2.0))
+        return to_hbm(nl.multiply(tile, 2.0))
 
     np.testing.assert_array_equal(double(np.ones((4, 8), np.float32)), np.full((4, 8), 2.0, np.float32))
     assert repr(nt.tensor[4, 8]) == "tensor[4, 8]"
@@ -82,7 +67,7 @@ def test_float8_e8m0fnu_holds_powers_of_two():
         nisa.dma_copy(dst=tile, src=x)  # converts through fp32 to the exponent-only format
         back = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=back, src=tile)
-        return _hbm_out(back)
+        return to_hbm(back)
 
     out = kernel(scales)
     assert set(np.log2(out).ravel()) <= set(range(-127, 128))  # every value a power of two
@@ -154,7 +139,7 @@ def test_softmax_over_two_axes():
 
     @nki.jit
     def kernel(t):
-        return _hbm_out(nl.softmax(nl.load(t), axis=[1, 2]))
+        return to_hbm(nl.softmax(nl.load(t), axis=[1, 2]))
 
     e = np.exp(x.astype(np.float64) - x.max(axis=(1, 2), keepdims=True))
     np.testing.assert_allclose(kernel(x), e / e.sum(axis=(1, 2), keepdims=True), rtol=1e-5, atol=1e-7)
@@ -165,7 +150,7 @@ def test_softmax_of_the_last_axis_of_a_3d_tile_keeps_the_middle_axis_apart():
 
     @nki.jit
     def kernel(t):
-        return _hbm_out(nl.softmax(nl.load(t), axis=2))
+        return to_hbm(nl.softmax(nl.load(t), axis=2))
 
     e = np.exp(x.astype(np.float64) - x.max(axis=2, keepdims=True))
     np.testing.assert_allclose(kernel(x), e / e.sum(axis=2, keepdims=True), rtol=1e-5, atol=1e-7)
@@ -175,7 +160,7 @@ def test_softmax_docs_example_uniform_input_gives_uniform_output():
     @nki.jit
     def kernel():
         a = nl.full((128, 512), 1.0, dtype=nl.float32, buffer=nl.sbuf)
-        return _hbm_out(nl.softmax(a, axis=1))
+        return to_hbm(nl.softmax(a, axis=1))
 
     np.testing.assert_allclose(kernel(), np.full((128, 512), 1 / 512), rtol=1e-6)
 
@@ -187,7 +172,7 @@ def test_var_keeps_the_reduced_dims(axis):
 
     @nki.jit
     def kernel(t):
-        return _hbm_out(nl.var(nl.load(t), axis=axis))
+        return to_hbm(nl.var(nl.load(t), axis=axis))
 
     out = kernel(x)
     assert out.shape == x.var(axis=axes, keepdims=True).shape
@@ -201,7 +186,7 @@ def test_all_is_a_logical_and_over_the_axis():
 
     @nki.jit
     def kernel(t):
-        return _hbm_out(nl.all(nl.load(t), axis=1))
+        return to_hbm(nl.all(nl.load(t), axis=1))
 
     np.testing.assert_array_equal(kernel(x).reshape(-1), [1.0, 0.0, 0.0, 1.0])
 
@@ -211,7 +196,7 @@ def test_rms_norm_docs_example_and_a_general_case():
     def docs_example():
         x = nl.full((128, 512), 2.0, dtype=nl.float32, buffer=nl.sbuf)
         w = nl.full((128, 512), 1.0, dtype=nl.float32, buffer=nl.sbuf)
-        return _hbm_out(nl.rms_norm(x, w, axis=1, n=512))
+        return to_hbm(nl.rms_norm(x, w, axis=1, n=512))
 
     np.testing.assert_allclose(docs_example(), 1.0, rtol=1e-6)
 
@@ -221,7 +206,7 @@ def test_rms_norm_docs_example_and_a_general_case():
 
     @nki.jit
     def kernel(xs, ws):
-        return _hbm_out(nl.rms_norm(nl.load(xs), nl.load(ws), axis=1, n=64, epsilon=1e-3))
+        return to_hbm(nl.rms_norm(nl.load(xs), nl.load(ws), axis=1, n=64, epsilon=1e-3))
 
     x64 = x.astype(np.float64)
     expected = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-3) * w
@@ -240,7 +225,7 @@ def test_random_seed_and_rand_docs_example():
         b = nl.rand((128, 512), dtype=nl.float32)
         assert nl.equal(a, b)
         c = nl.rand((128, 512), dtype=nl.float32)
-        return _hbm_out(a), _hbm_out(c)
+        return to_hbm(a), to_hbm(c)
 
     a, c = kernel()
     assert 0.0 <= a.min() and a.max() < 1.0
@@ -285,7 +270,7 @@ def test_gather_flattened_docs_example():
         data = nl.load(data_in)
         indices = nl.ndarray((32, 10), dtype=nl.uint32, buffer=nl.sbuf)
         nisa.iota(indices, [[5, 10]], offset=0, channel_multiplier=0)
-        return _hbm_out(nl.gather_flattened(data=data, indices=indices))
+        return to_hbm(nl.gather_flattened(data=data, indices=indices))
 
     data = np.random.default_rng(5).standard_normal((32, 64)).astype(np.float32)
     np.testing.assert_array_equal(kernel(data), data[:, ::5][:, :10])
@@ -297,7 +282,7 @@ def test_gather_flattened_takes_int32_indices_and_casts_the_result():
 
     @nki.jit
     def kernel(d, i):
-        return _hbm_out(nl.gather_flattened(nl.load(d), nl.load(i), dtype=nl.bfloat16))
+        return to_hbm(nl.gather_flattened(nl.load(d), nl.load(i), dtype=nl.bfloat16))
 
     out = kernel(data, idx)
     assert out.dtype == BF16
@@ -321,7 +306,7 @@ def test_shared_constant_from_an_npy_file(tmp_path):
     def kernel():
         constant = nl.shared_constant(str(path))
         assert constant.buffer == nl.shared_hbm
-        return _hbm_out(_sbuf_in(constant))
+        return to_hbm(to_sbuf(constant))
 
     np.testing.assert_array_equal(kernel(), table)
 
@@ -333,7 +318,7 @@ def test_shared_identity_matrix_docs_example_in_sbuf_and_transposed():
         assert identity.buffer == nl.sbuf
         expected = nl.load(expected_tensor[0:128, 0:128])
         assert nl.equal(identity, expected)
-        return _hbm_out(identity), _hbm_out(nl.transpose(identity))
+        return to_hbm(identity), to_hbm(nl.transpose(identity))
 
     eye = np.eye(128, dtype=np.float32)
     identity, transposed = kernel(eye)
@@ -347,7 +332,7 @@ def test_shared_identity_matrix_into_dst_and_its_limits():
         dst = nl.ndarray((16, 16), nl.bfloat16, buffer=nl.sbuf)
         returned = nl.shared_identity_matrix(16, dtype=nl.bfloat16, dst=dst)
         assert returned is dst
-        return _hbm_out(dst)
+        return to_hbm(dst)
 
     np.testing.assert_array_equal(kernel().astype(np.float32), np.eye(16))
     with pytest.raises(nisa.NkiValidationError, match=r"n rows exceed the partition count \(n=200, limit=128\)"):
@@ -371,7 +356,7 @@ def test_rearrange_docs_example_and_a_merge():
         nisa.tensor_copy(dst=copied, src=view)
         merged = copied.rearrange(("b", "w", "h"), ("b", ("w", "h")))
         assert merged.shape == (128, 24)
-        return _hbm_out(copied)
+        return to_hbm(copied)
 
     np.testing.assert_array_equal(kernel(x), x.reshape(128, 4, 6).transpose(0, 2, 1))
 
@@ -387,7 +372,7 @@ def test_vector_select_docs_shape_and_gathered_rows():
         assert view.shape == (128, 16, 8) and view.is_indirect
         tile = nl.ndarray(view.shape, view.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=view)
-        return _hbm_out(tile)
+        return to_hbm(tile)
 
     np.testing.assert_array_equal(kernel(table, rows), table[rows[:, 0]])
 
@@ -495,7 +480,7 @@ def test_sequence_bounds_docs_example():
         m, n = segment_ids.shape
         out_tile = nl.ndarray([m, 2, n], dtype=segment_ids.dtype, buffer=nl.sbuf)
         nisa.sequence_bounds(dst=out_tile, segment_ids=nl.load(segment_ids))
-        return _hbm_out(out_tile)
+        return to_hbm(out_tile)
 
     out = kernel(np.array([[0, 1, 1, 2, 2, 2, 0, 3, 3]], dtype=np.int32))
     np.testing.assert_array_equal(out, [[[9, 1, 1, 3, 3, 3, 9, 7, 7], [-1, 3, 3, 6, 6, 6, -1, 9, 9]]])
@@ -519,7 +504,7 @@ def test_sequence_bounds_random_sorted_segments_in_fp32():
     def kernel(segment_ids):
         out_tile = nl.ndarray([1, 2, 32], dtype=nl.float32, buffer=nl.sbuf)
         nisa.sequence_bounds(dst=out_tile, segment_ids=nl.load(segment_ids))
-        return _hbm_out(out_tile)
+        return to_hbm(out_tile)
 
     np.testing.assert_array_equal(kernel(ids)[0], _sequence_bounds_reference(ids[0]))
 
@@ -535,7 +520,7 @@ def test_local_gather_docs_example():
     def kernel(src, idx):
         output_tile = nl.ndarray((128, 4, 16, 4), nl.float32, buffer=nl.sbuf)
         nisa.local_gather(output_tile, nl.load(src), nl.load(idx), 4, 64)
-        return _hbm_out(output_tile)
+        return to_hbm(output_tile)
 
     out = kernel(src_buffer, index * 4)
     expected = np.empty((128, 64, 4), np.float32)
@@ -571,7 +556,7 @@ def test_topk_docs_example_shapes_and_the_largest_values():
         val_dst = nl.ndarray((par_dim, k), dtype=nl.bfloat16, buffer=nl.sbuf)
         idx_dst = nl.ndarray((par_dim, k), dtype=nl.uint32, buffer=nl.sbuf)
         nisa.topk(val_dst=val_dst, idx_dst=idx_dst, src=src, n=n)
-        return _hbm_out(val_dst), _hbm_out(idx_dst)
+        return to_hbm(val_dst), to_hbm(idx_dst)
 
     result = sim.run(topk_kernel, values)
     top, positions = result.outputs
@@ -638,7 +623,7 @@ def test_rand_set_state_get_state_and_rng_draws_from_the_state():
 
     @nki.jit
     def kernel(seeds_in):
-        state = _sbuf_in(seeds_in)
+        state = to_sbuf(seeds_in)
         nisa.rand_set_state(src_seeds=state)
         before = nl.ndarray((16, 6), nl.uint32, buffer=nl.sbuf)
         nisa.rand_get_state(dst=before)
@@ -646,7 +631,7 @@ def test_rand_set_state_get_state_and_rng_draws_from_the_state():
         nisa.rng(dst=bits, engine=nisa.gpsimd_engine)
         after = nl.ndarray((16, 6), nl.uint32, buffer=nl.sbuf)
         nisa.rand_get_state(dst=after)
-        return _hbm_out(before), _hbm_out(bits), _hbm_out(after)
+        return to_hbm(before), to_hbm(bits), to_hbm(after)
 
     before, bits, after = kernel(seeds)
     np.testing.assert_array_equal(before, seeds)
@@ -678,7 +663,7 @@ def test_tensor_partition_reduce_average():
     def kernel(t):
         out = nl.ndarray((1, 8), nl.float32, buffer=nl.sbuf)
         nisa.tensor_partition_reduce(dst=out, op=nl.average, data=nl.load(t))
-        return _hbm_out(out)
+        return to_hbm(out)
 
     np.testing.assert_allclose(kernel(x)[0], x.astype(np.float64).mean(axis=0), rtol=1e-5, atol=1e-7)
 
@@ -691,8 +676,8 @@ def test_tensor_scalar_unary_alu_operators(op, reference, target):
 
     def kernel(t):
         out = nl.ndarray(t.shape, nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=out, data=_sbuf_in(t), op0=getattr(nl, op), operand0=0.0, op1=nl.multiply, operand1=2.0)
-        return _hbm_out(out)
+        nisa.tensor_scalar(dst=out, data=to_sbuf(t), op0=getattr(nl, op), operand0=0.0, op1=nl.multiply, operand1=2.0)
+        return to_hbm(out)
 
     np.testing.assert_allclose(sim.run(kernel, x, target=target).outputs, 2 * reference(x), rtol=1e-6)
 
@@ -708,7 +693,7 @@ def test_tensor_scalar_reduce_negates_only_the_reduction_result():
         nisa.tensor_scalar_reduce(
             dst=out, data=tile, op0=nl.multiply, operand0=3.0, reduce_op=nl.add, reduce_res=res, reduce_res_negate=True
         )
-        return _hbm_out(out), _hbm_out(res)
+        return to_hbm(out), to_hbm(res)
 
     out, res = kernel(x)
     np.testing.assert_allclose(out, 3 * x, rtol=1e-6)
@@ -722,7 +707,7 @@ def test_dma_copy_with_hardware_dge_converts_dtypes():
     def kernel(t):
         tile = nl.ndarray(t.shape, nl.bfloat16, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=t, dge_mode=nisa.dge_mode.hwdge)
-        return _hbm_out(tile)
+        return to_hbm(tile)
 
     np.testing.assert_array_equal(kernel(x), x.astype(BF16))
 
@@ -736,7 +721,7 @@ def test_dma_transpose_hardware_dge_shapes_of_the_api_reference(shape):
     def kernel(src):
         dst = nl.ndarray(np.transpose(x, axes).shape, src.dtype, buffer=nl.sbuf)
         nisa.dma_transpose(dst=dst, src=src, axes=axes, dge_mode=nisa.dge_mode.hwdge)
-        return _hbm_out(dst)
+        return to_hbm(dst)
 
     np.testing.assert_array_equal(kernel(x), np.transpose(x, axes))
 
@@ -750,10 +735,10 @@ def test_dma_compute_gather_read_modify_write():
 
     @nki.jit
     def kernel(table_in, acc_in, rows_in):
-        dst = _sbuf_in(acc_in)
-        gathered = table_in.ap([[8, 16], [1, 8]], offset=0, vector_offset=_sbuf_in(rows_in), indirect_dim=0)
+        dst = to_sbuf(acc_in)
+        gathered = table_in.ap([[8, 16], [1, 8]], offset=0, vector_offset=to_sbuf(rows_in), indirect_dim=0)
         nisa.dma_compute(dst=dst, srcs=[gathered, dst], reduce_op=nl.add)
-        return _hbm_out(dst)
+        return to_hbm(dst)
 
     np.testing.assert_allclose(kernel(table, acc, rows), acc + table[rows[:, 0]], rtol=1e-6)
 
@@ -770,8 +755,8 @@ def test_dma_compute_scatter_read_modify_write_and_skipped_indices():
     def kernel(table_in, update_in, rows_in):
         out = nl.ndarray(table_in.shape, table_in.dtype, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=out, src=table_in)
-        target = out.ap([[8, 16], [1, 8]], offset=0, vector_offset=_sbuf_in(rows_in), indirect_dim=0)
-        nisa.dma_compute(dst=target, srcs=[target, _sbuf_in(update_in)], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+        target = out.ap([[8, 16], [1, 8]], offset=0, vector_offset=to_sbuf(rows_in), indirect_dim=0)
+        nisa.dma_compute(dst=target, srcs=[target, to_sbuf(update_in)], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
         return out
 
     expected = table.copy()

@@ -13,6 +13,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from kernel_io import run_body, to_hbm, to_sbuf
 
 from kernels_neuron import sim
 
@@ -30,36 +31,14 @@ FLOATS = {"float32": np.float32, "bfloat16": BF16, "float16": np.float16}
 FP32_MIN = float(np.finfo(np.float32).min)
 
 
+def run(body, *arrays, target="trn2", seed=0):
+    """The outputs of ``body`` run as a kernel on ``arrays`` (``kernel_io.run_body``)."""
+    return run_body(body, *arrays, target=target, seed=seed).outputs
+
+
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def _load(x):
-    tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=x)
-    return tile
-
-
-def _store(t):
-    if t.buffer == nl.psum:  # DMA cannot read PSUM: evict through SBUF first
-        staged = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=staged, src=t)
-        t = staged
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=t)
-    return out
-
-
-def run(body, *arrays, target="trn2", seed=0):
-    """Load ``arrays`` into SBUF, call ``body(*tiles)`` and return what it returns, from HBM."""
-
-    @nki.jit
-    def kernel(*hbm):
-        outs = body(*[_load(x) for x in hbm])
-        single = not isinstance(outs, (tuple, list))
-        stored = tuple(_store(o) for o in ((outs,) if single else outs))
-        return stored[0] if single else stored
-
-    return sim.run(kernel, *arrays, target=target, seed=seed).outputs
 
 
 def sb(shape, dtype):
@@ -294,8 +273,8 @@ def test_dma_copy_indirect_scatter_rows():
 
     @nki.jit
     def kernel(values, indices, output):
-        t = _load(values)
-        i = _load(indices)
+        t = to_sbuf(values)
+        i = to_sbuf(indices)
         nisa.dma_copy(dst=output.ap(pattern=[[8, 16], [1, 8]], vector_offset=i, indirect_dim=0), src=t)
         return output
 
@@ -1705,7 +1684,7 @@ def test_exponential_with_running_sum_on_trn3():
 def _rng_kernel(dtype=nl.uint32, shape=(64, 32)):
     @nki.jit
     def kernel(seed):
-        s = _load(seed)
+        s = to_sbuf(seed)
         nisa.set_rng_seed(src_seeds=s)
         first = sb(shape, dtype)
         nisa.rng(dst=first)
@@ -1715,7 +1694,7 @@ def _rng_kernel(dtype=nl.uint32, shape=(64, 32)):
         low = sb(shape, nl.uint8)
         nisa.set_rng_seed(src_seeds=s)
         nisa.rng(dst=low)
-        return _store(first), _store(again), _store(low)
+        return to_hbm(first), to_hbm(again), to_hbm(low)
 
     return kernel
 
@@ -1819,7 +1798,7 @@ def test_bf16_matmul_accumulates_in_fp32_psum():
             nisa.dma_copy(dst=s, src=sta[i * 128 : (i + 1) * 128, :])
             nisa.dma_copy(dst=m, src=mov[i * 128 : (i + 1) * 128, :])
             nisa.nc_matmul(dst=acc, stationary=s, moving=m)
-        return _store(acc)
+        return to_hbm(acc)
 
     out = kernel(a, b)
     exact = f64(a).T @ f64(b)
@@ -1840,11 +1819,11 @@ def test_torch_bf16_io_matches_torch_rounding():
 
     @nki.jit
     def kernel(x, y):
-        tx, ty = _load(x), _load(y)
+        tx, ty = to_sbuf(x), to_sbuf(y)
         s, p = sb(x.shape, nl.bfloat16), sb(x.shape, nl.bfloat16)
         nisa.tensor_tensor(dst=s, data1=tx, data2=ty, op=nl.add)
         nisa.tensor_tensor(dst=p, data1=tx, data2=ty, op=nl.multiply)
-        return _store(s), _store(p)
+        return to_hbm(s), to_hbm(p)
 
     s, p = kernel(a, b)
     assert s.dtype == torch.bfloat16 and p.dtype == torch.bfloat16
@@ -1927,10 +1906,10 @@ def test_dma_compute_sums_sources_in_fp32(dst_dtype):
 
     @nki.jit
     def kernel(x, y, z):
-        ty = _load(y)  # one source in SBUF, two in HBM
+        ty = to_sbuf(y)  # one source in SBUF, two in HBM
         dst = sb(x.shape, dst_dtype)
         nisa.dma_compute(dst=dst, srcs=[x, ty, z], reduce_op=nl.add)
-        return _store(dst)
+        return to_hbm(dst)
 
     expected = ((a + f32(b)) + c).astype(dst_dtype)
     assert_bits_equal(kernel(a, b, c), expected)
@@ -1967,7 +1946,7 @@ def test_get_nc_version_follows_the_target():
     @nki.jit
     def kernel(x):
         seen[x.shape[0]] = nisa.get_nc_version()
-        return _store(_load(x))
+        return to_hbm(to_sbuf(x))
 
     sim.run(kernel, np.zeros((2, 2), np.float32), target="trn2")
     sim.run(kernel, np.zeros((3, 2), np.float32), target="trn3")
@@ -1996,12 +1975,12 @@ def _gather_transpose_kernel(oob=nisa.oob_mode.error):
     def kernel(src_hbm, idx_hbm):
         rows_per_col = idx_hbm.shape[0]
         P, F = src_hbm.shape[1], rows_per_col * idx_hbm.shape[1]
-        idx = _load(idx_hbm)
+        idx = to_sbuf(idx_hbm)
         dst = sb((P, F), src_hbm.dtype)
         nisa.memset(dst=dst, value=0.0)
         view = src_hbm.ap(pattern=[[P, F], [1, P]], vector_offset=idx, indirect_dim=0)
         nisa.dma_transpose(dst=dst, src=view, axes=(1, 0), oob_mode=oob)
-        return _store(dst)
+        return to_hbm(dst)
 
     return kernel
 

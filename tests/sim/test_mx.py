@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from kernel_io import to_hbm
 
 from kernels_neuron import sim
 
@@ -26,16 +27,6 @@ def _load(x, dtype=None):
     tile = nl.ndarray(x.shape, x.dtype if dtype is None else dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=tile, src=x if dtype is None else x.ap([[x.shape[1], x.shape[0]], [1, x.shape[1]]], dtype=dtype))
     return tile
-
-
-def _out(t):
-    if t.buffer == nl.psum:
-        staged = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=staged, src=t)
-        t = staged
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=t)
-    return out
 
 
 def _scale_row(group):
@@ -71,7 +62,7 @@ def test_quantize_mx_is_lossless_on_representable_groups_and_places_scales_by_qu
         nisa.quantize_mx(dst=dst, src=src, dst_scale=scale)
         bits = nl.ndarray((parts, columns), nl.uint32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=bits, src=dst.view(nl.uint32))
-        return _out(bits), _out(scale)
+        return to_hbm(bits), to_hbm(scale)
 
     bits, scale = sim.run(kernel, data, target="trn3").outputs
     values = (
@@ -96,7 +87,7 @@ def test_quantize_mx_scale_of_an_all_zero_group_and_the_documented_doubling():
         nisa.quantize_mx(dst=dst, src=_load(x), dst_scale=scale)
         bits = nl.ndarray((4, 2), nl.uint8, buffer=nl.sbuf)
         nisa.tensor_copy(dst=bits, src=scale.view(nl.uint8))
-        return _out(bits)
+        return to_hbm(bits)
 
     scale = sim.run(kernel, data, target="trn3").outputs
     assert scale[0, 0] == 121
@@ -137,7 +128,7 @@ def test_nc_matmul_mx_fp8_stationary_fp4_moving_against_dequantized_math(dst_dty
             stationary_scale=_load(sts),
             moving_scale=_load(mvs),
         )
-        return _out(dst)
+        return to_hbm(dst)
 
     result = sim.run(kernel, st_bits, mv_bits, st_scale_hw, mv_scale_hw, target="trn3")
     st_deq = st_values.astype(np.float64).reshape(k, m, 4) * np.exp2(np.repeat(st_scale, 8, axis=0) - 127.0)[:, :, None]
@@ -167,7 +158,7 @@ def test_quantize_then_matmul_with_packed_scales_as_the_deep_dive_does():
         nisa.quantize_mx(dst=mv_q, src=_load(mv_in), dst_scale=packed[4:, :])
         dst = nl.ndarray((32, 64), nl.float32, buffer=nl.psum)
         nisa.nc_matmul_mx(dst, st_q, mv_q, packed[0:, :32], packed[4:, :])
-        return _out(dst)
+        return to_hbm(dst)
 
     out = sim.run(kernel, st, mv, target="trn3").outputs
     expected = np.einsum(
@@ -192,7 +183,7 @@ def test_nc_matmul_mx_accumulates_into_psum():
         dst = nl.ndarray((8, 8), nl.float32, buffer=nl.psum)
         nisa.nc_matmul_mx(dst, q, q, scale, scale)
         nisa.nc_matmul_mx(dst, q, q, scale, scale)  # auto-detected: accumulates
-        return _out(dst)
+        return to_hbm(dst)
 
     values = st.astype(np.float64).reshape(32, 8, 4)
     gram = np.einsum("kiq,kjq->ij", values, values)

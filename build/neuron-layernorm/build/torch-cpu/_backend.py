@@ -72,6 +72,22 @@ def check_float_tensor(op: str, name: str, tensor: torch.Tensor, contiguous: boo
         raise ValueError(f"{op}: {name} of shape {tuple(tensor.shape)} is not contiguous; call .contiguous() first")
 
 
+def check_operands(op: str, named: list[tuple[str, torch.Tensor]], together: str) -> None:
+    """``check_float_tensor`` for each named tensor, then one dtype and one device for all of them
+    (``together`` names them in the errors, e.g. "x and the weights")."""
+    for name, tensor in named:
+        check_float_tensor(op, name, tensor)
+    dtypes = {name: t.dtype for name, t in named}
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(
+            f"{op}: {together} must share one dtype, got "
+            + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        )
+    devices = {t.device for _, t in named}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: {together} are on different devices: {sorted(map(str, devices))}")
+
+
 def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
     """The dtype ``torch.autocast`` runs matmul-like ops in on ``tensor``'s device, or None when
     autocast is off there. The ops cast to it as ``nn.Linear`` and sdpa do under autocast; the

@@ -35,7 +35,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ._backend import autocast_dtype, check_float_tensor, define_op, dtype_name, nki_source, op_namespace, run_kernel
+from ._backend import (
+    autocast_dtype,
+    check_float_tensor,
+    check_operands,
+    define_op,
+    dtype_name,
+    nki_source,
+    op_namespace,
+    run_kernel,
+)
 
 _kernels = nki_source(__package__, "mlp")
 ACTIVATIONS = _kernels.ACTIVATIONS
@@ -110,19 +119,9 @@ def validate(
     named = [("x", x), ("gate weight" if w_up is not None else "gate_up weight", w_gate), ("down weight", w_down)]
     if w_up is not None:
         named.insert(2, ("up weight", w_up))
-    for name, tensor in named:
-        check_float_tensor(_OP, name, tensor)
+    check_operands(_OP, named, "x and the weights")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{_OP}: activation {activation!r} is not one of {ACTIVATIONS}")
-    dtypes = {name: t.dtype for name, t in named}
-    if len(set(dtypes.values())) != 1:
-        raise TypeError(
-            f"{_OP}: x and the weights must share one dtype, got "
-            + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
-        )
-    devices = {t.device for _, t in named}
-    if len(devices) != 1:
-        raise ValueError(f"{_OP}: x and the weights are on different devices: {sorted(map(str, devices))}")
     if x.dim() < 1 or x.numel() == 0:
         raise ValueError(f"{_OP}: x of shape {tuple(x.shape)} is empty (no tokens)")
     _check_shapes(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down, activation)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ._backend import autocast_dtype, check_float_tensor, define_op, dtype_name, nki_source, op_namespace, run_kernel
+from ._backend import autocast_dtype, check_operands, define_op, dtype_name, nki_source, op_namespace, run_kernel
 
 _kernels = nki_source(__package__, "mlp")
 PLAIN_ACTIVATIONS = _kernels.PLAIN_ACTIVATIONS
@@ -44,19 +44,9 @@ def validate(
     """Raise a clear error (op, argument, value, limit) for anything the kernel cannot take."""
     named = [("x", x), ("up weight", w_up), ("down weight", w_down)]
     named += [(name, b) for name, b in (("up bias", b_up), ("down bias", b_down)) if b is not None]
-    for name, tensor in named:
-        check_float_tensor(_OP, name, tensor)
+    check_operands(_OP, named, "x, the weights and the biases")
     if activation not in PLAIN_ACTIVATIONS:
         raise ValueError(f"{_OP}: activation {activation!r} is not one of {PLAIN_ACTIVATIONS}")
-    dtypes = {name: t.dtype for name, t in named}
-    if len(set(dtypes.values())) != 1:
-        raise TypeError(
-            f"{_OP}: x, the weights and the biases must share one dtype, got "
-            + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
-        )
-    devices = {t.device for _, t in named}
-    if len(devices) != 1:
-        raise ValueError(f"{_OP}: x, the weights and the biases are on different devices: {sorted(map(str, devices))}")
     if x.dim() < 1 or x.numel() == 0:
         raise ValueError(f"{_OP}: x of shape {tuple(x.shape)} is empty (no tokens)")
     _kernels.check_plain_shapes(
