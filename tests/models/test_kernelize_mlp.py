@@ -3,7 +3,9 @@ Phi3 (fused gate_up), OLMo2, Granite and Gemma 1/2/3 (GeGLU) models: every MLP i
 logits (fp32, bf16), training loss and gradients match the un-kernelized model, and greedy generate gives
 the same tokens. Modules with biases or an activation the kernel lacks keep their own forward with the
 reason in the report; other SwiGLU MLP classes are found by their structure, look-alikes are not.
-The NKI kernels run on the CPU simulator, and each test checks that they did."""
+Plain MLPs (the whole models: tests/models/test_architecture_coverage.py): what falls back and why, PEFT,
+and GPT-2's output dropout after the kernel. The NKI kernels run on the CPU simulator, and each test
+checks that they did."""
 
 import copy
 
@@ -370,3 +372,61 @@ def test_mixed_dtypes_or_a_non_contiguous_weight_keep_the_modules_forward():
     assert row.status == "fallback" and "down_proj.weight is not contiguous" in row.reason
     x = torch.randn(3, 64)
     torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x))
+
+
+# --- plain MLPs: down(act(up(x))) --------------------------------------------------------------------
+
+
+def _gpt_neox_mlp(**overrides):
+    config = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, **overrides)
+    torch.manual_seed(0)
+    return transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXMLP(config)
+
+
+def test_a_plain_mlp_the_kernel_cannot_take_keeps_its_forward_and_says_why():
+    quick = _gpt_neox_mlp(hidden_act="quick_gelu")
+    one_bias = _gpt_neox_mlp()
+    one_bias.dense_4h_to_h.bias = None
+    model = nn.ModuleDict({"quick": quick, "one_bias": one_bias, "served": _gpt_neox_mlp()})
+    reference = copy.deepcopy(model)
+    _kernelize(model)
+    reasons = {row.path: row.reason for row in model.kernels_neuron_report.fallbacks}
+    assert "activation QuickGELUActivation is not one the kernel implements" in reasons["quick"]
+    assert "one projection has a bias and the other not" in reasons["one_bias"]
+    assert [row.path for row in model.kernels_neuron_report.swapped] == ["served"]
+    x = torch.randn(3, 5, 64)
+    with sim.capture() as traces:
+        for name in model:
+            torch.testing.assert_close(model[name](x), reference[name](x), rtol=1e-5, atol=1e-5)
+    assert _launches(traces, "plain_mlp_fwd") == 1
+
+
+def test_a_plain_mlp_under_peft_lora_falls_back_with_the_reason():
+    from peft import LoraConfig, get_peft_model  # the test extra installs PEFT
+
+    model = get_peft_model(nn.ModuleDict({"mlp": _gpt_neox_mlp()}), LoraConfig(r=4, target_modules=["dense_h_to_4h"]))
+    _kernelize(model)
+    (row,) = [row for row in model.kernels_neuron_report if row.layer == "PlainMLP"]
+    assert (
+        row.status == "fallback" and "is a PEFT layer (Linear): the plain MLP kernel merges no adapters" in row.reason
+    )
+
+
+def test_gpt2s_dropout_runs_after_the_kernel_as_the_module_runs_it():
+    """GPT-2's Conv1D projections and its output dropout in training: with the same RNG state the
+    kernelized MLP drops the same elements as the original."""
+    config = transformers.GPT2Config(n_embd=64, n_head=4, n_inner=160, resid_pdrop=0.5)
+    torch.manual_seed(0)
+    mlp = transformers.models.gpt2.modeling_gpt2.GPT2MLP(160, config).train()
+    with torch.no_grad():
+        mlp.c_fc.bias.normal_(0, 0.2)
+    reference = copy.deepcopy(mlp)
+    _kernelize(mlp, mode="training")
+    assert [row.status for row in mlp.kernels_neuron_report] == ["swapped"]
+    x = torch.randn(2, 7, 64)
+    torch.manual_seed(3)
+    got = mlp(x)
+    torch.manual_seed(3)
+    want = reference(x)
+    assert (want == 0).float().mean() > 0.3  # the dropout did drop
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
