@@ -22,8 +22,10 @@ LAYERS = 2
 LAYOUTS = {
     "new_decoder": {"new_decoder_architecture": True, "num_kv_heads": 2},
     "multi_query": {"new_decoder_architecture": False, "multi_query": True},
+    "per_head": {"new_decoder_architecture": False, "multi_query": False},
 }
-KV_HEADS = {"new_decoder": 2, "multi_query": 1}
+KV_HEADS = {"new_decoder": 2, "multi_query": 1, "per_head": 4}  # the layer's cache
+OWN_KV_HEADS = {"new_decoder": 4, "multi_query": 1, "per_head": 4}  # the module's own forward's cache
 KERNEL = "kernels-neuron/neuron-flash-attn:FalconAttention"
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -68,6 +70,11 @@ def left_padded(pads=(0, 5)) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def right_padded(pads=(0, 5)) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = left_padded(pads)
+    return ids, mask.flip(1)
+
+
 @pytest.fixture(scope="module", params=[(layout, d) for layout in LAYOUTS for d in (64, 16)], ids=str)
 def pair(request):
     """(layout, the un-kernelized model, the kernelized one), shared by the inference tests."""
@@ -86,19 +93,22 @@ def test_the_report_lists_falcons_attention_swapped(pair):
     assert model.config._attn_implementation == own.config._attn_implementation == "sdpa"
 
 
-def test_fp32_logits_match_with_and_without_left_padding(pair):
+def test_fp32_logits_match_with_and_without_padding(pair):
     _, own, model = pair
-    ids, mask = left_padded()
+    ids, left = left_padded()
+    _, right = right_padded()
     with torch.no_grad(), sim.capture() as traces:
-        plain, padded = model(ids).logits, model(ids, attention_mask=mask).logits
-    assert launches(traces) == 2 * LAYERS  # the NKI kernel served every layer of both calls
+        plain = model(ids).logits
+        padded = {side: model(ids, attention_mask=mask).logits for side, mask in (("left", left), ("right", right))}
+    assert launches(traces) == 3 * LAYERS  # the NKI kernel served every layer of every call
     with torch.no_grad():
-        expected_plain, expected_padded = own(ids).logits, own(ids, attention_mask=mask).logits
-    torch.testing.assert_close(plain, expected_plain, **TOL)
-    real = mask.bool()
-    torch.testing.assert_close(padded[real], expected_padded[real], **TOL)
-    assert (padded[real] - plain[real]).abs().max() > 1e-3  # the padding changed row 1: the mask mattered
-    assert not padded.isnan().any()
+        torch.testing.assert_close(plain, own(ids).logits, **TOL)
+        for side, mask in (("left", left), ("right", right)):
+            real = mask.bool()
+            torch.testing.assert_close(padded[side][real], own(ids, attention_mask=mask).logits[real], **TOL)
+            assert not padded[side].isnan().any()
+    real = left.bool()
+    assert (padded["left"][real] - plain[real]).abs().max() > 1e-3  # the padding changed row 1: the mask mattered
 
 
 def test_greedy_generate_gives_the_same_tokens_and_caches_only_the_kv_heads(pair):
@@ -111,7 +121,25 @@ def test_greedy_generate_gives_the_same_tokens_and_caches_only_the_kv_heads(pair
     assert torch.equal(got.sequences, want.sequences)
     assert launches(traces) == 5 * LAYERS  # the prefill and four decode steps
     assert got.past_key_values.layers[0].keys.shape[1] == KV_HEADS[layout]
-    assert want.past_key_values.layers[0].keys.shape[1] == (4 if layout == "new_decoder" else 1)
+    assert want.past_key_values.layers[0].keys.shape[1] == OWN_KV_HEADS[layout]
+
+
+def test_called_without_a_mask_it_is_causal_as_the_modules_sdpa_call():
+    """The model always passes a mask; called directly without one, the module's sdpa call is causal for
+    more than one query and sees every key for one (decoding against its cache)."""
+    own = falcon("new_decoder")
+    model = kernelized(own)
+    attention, own_attention = model.transformer.h[0].self_attention, own.transformer.h[0].self_attention
+    hidden = torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(2))
+    caches = transformers.DynamicCache(), transformers.DynamicCache()
+    for rows in (slice(0, 15), slice(15, 16)):  # a prefill of 15 tokens, then one decoded
+        x = hidden[:, rows]
+        rotary = own.transformer.rotary_emb(x, position_ids=torch.arange(16)[rows][None])
+        with torch.no_grad(), sim.capture() as traces:
+            got, _ = attention(x, None, None, layer_past=caches[0], position_embeddings=rotary)
+            want, _ = own_attention(x, None, None, layer_past=caches[1], position_embeddings=rotary)
+        assert launches(traces) == 1
+        torch.testing.assert_close(got, want, **TOL)
 
 
 def test_a_cache_started_by_the_models_own_attention_is_continued():
@@ -179,6 +207,18 @@ def test_eager_models_additive_mask_is_served():
 
 
 # --- what the layer does not serve --------------------------------------------------------------------------
+
+
+def test_head_dim_above_the_kernels_limit_keeps_the_modules_own_forward():
+    own = falcon("new_decoder", head_dim=320)
+    model = kernelized(own, only=["neuron-flash-attn"])
+    rows = attention_rows(model)
+    assert [r.status for r in rows] == ["fallback"] * LAYERS
+    assert all("head_dim 320 is above the kernel's limit of 256" in r.reason for r in rows)
+    ids = input_ids()
+    with torch.no_grad(), sim.capture() as traces:
+        torch.testing.assert_close(model(ids).logits, own(ids).logits, **TOL)
+    assert launches(traces) == 0
 
 
 def test_alibi_models_keep_their_own_attention_with_the_reason_in_the_report():
