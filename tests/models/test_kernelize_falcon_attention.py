@@ -206,6 +206,32 @@ def test_eager_models_additive_mask_is_served():
         torch.testing.assert_close(got[real], own(ids, attention_mask=mask).logits[real], **TOL)
 
 
+@pytest.mark.parametrize("mode", ["inference", pytest.param("training", marks=pytest.mark.slow)])
+def test_compiles_without_graph_breaks_and_matches(mode):
+    """Under torch.compile (fullgraph: a graph break raises) the layer's checks pass while tracing, so the
+    kernel runs inside the graph rather than the module's own forward (a fallback is not recorded then)."""
+    own = falcon("new_decoder", hidden_dropout=0.0).train(mode == "training")
+    model = kernelized(own, mode=f"{mode}+torch.compile", only=["neuron-flash-attn"])  # see the report
+    assert {r.status for r in attention_rows(model)} == {"swapped"}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids, mask = left_padded()
+    real = mask.bool()
+    with torch.set_grad_enabled(mode == "training"), sim.capture() as traces:
+        got = compiled(ids, attention_mask=mask).logits
+        if mode == "training":
+            got[real].sum().backward()
+    torch._dynamo.reset()
+    assert launches(traces) == LAYERS and launches(traces, "flash_attn_bwd") == (LAYERS if mode == "training" else 0)
+    with torch.set_grad_enabled(mode == "training"):
+        want = own(ids, attention_mask=mask).logits
+        torch.testing.assert_close(got[real], want[real], **TOL)
+        if mode == "training":
+            want[real].sum().backward()
+            for (name, p), (_, q) in zip(model.named_parameters(), own.named_parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # --- what the layer does not serve --------------------------------------------------------------------------
 
 

@@ -69,9 +69,10 @@ def _rotary(module: nn.Module) -> Any:
 
 def _module_reasons(module: Any) -> list[str]:  # Any: read by the attributes FalconAttention sets
     name = type(module).__name__
-    forward = getattr(type(module).forward, "__qualname__", "")
-    if forward != _FALCON_FORWARD:
-        return [f"{name}'s forward is {forward}, not the {_FALCON_FORWARD} the layer reproduces"]
+    modeling = sys.modules.get(type(module).__module__)
+    falcon_attention = getattr(modeling, "FalconAttention", None)
+    if falcon_attention is None or type(module).forward is not falcon_attention.forward:
+        return [f"{name}'s forward is not the {_FALCON_FORWARD} the layer reproduces"]
     missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
     if missing:
         return [f"{name} has no attribute(s) {missing}"]
@@ -154,6 +155,7 @@ def _cached_heads(cache: Any, layer_idx: int) -> int | None:
 class FalconAttention(nn.Module):
     """Falcon's rotary attention on the NKI flash-attention kernel (see the module docstring)."""
 
+    can_torch_compile = True
     has_backward = True
 
     def forward(
