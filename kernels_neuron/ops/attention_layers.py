@@ -25,8 +25,8 @@ module's own forward stores them broadcast to every query head); a cache the mod
 started is continued in its layout. ALiBi models, ``output_attentions=True``, head sizes above the
 kernel's limit and masks other than these run the module's own forward for that call
 (``unsupported_reasons``, asked by ``kernelize`` and again on every call), with the reason kept on the
-module. A fallback call continuing a cache the layer filled for the new decoder architecture would
-find fewer heads in it than its own forward writes, and fail.
+module. A fallback call that would continue a cache the layer filled for the new decoder architecture
+(fewer heads than its own forward writes) is refused with an error saying so.
 """
 
 from __future__ import annotations
@@ -152,6 +152,19 @@ def _cached_heads(cache: Any, layer_idx: int) -> int | None:
     return keys.shape[1] if keys.dim() == 4 and keys.numel() else None
 
 
+def _check_own_forward_can_continue(module: Any, cache: Any, reason: str) -> None:
+    """A clear error, rather than torch's from inside the cache, when the module's own forward (new decoder
+    architecture: KV heads broadcast to every query head) would append to a cache the layer filled."""
+    cached = _cached_heads(cache, module.layer_idx)
+    if cached is not None and cached != module.num_heads:
+        raise ValueError(
+            f"{type(module).__name__} (layer {module.layer_idx}): this call runs the module's own forward "
+            f"({reason}), which caches {module.num_heads} KV heads, but the KV cache holds {cached} (filled by "
+            "kernels-neuron's FalconAttention layer, which caches the model's num_kv_heads); use one cache per "
+            "route, e.g. the same output_attentions for every call that shares a cache"
+        )
+
+
 class FalconAttention(nn.Module):
     """Falcon's rotary attention on the NKI flash-attention kernel (see the module docstring)."""
 
@@ -179,6 +192,8 @@ class FalconAttention(nn.Module):
             output_attentions=output_attentions,
         )
         if reasons:
+            if layer_past is not None and self.new_decoder_architecture:
+                _check_own_forward_can_continue(self, layer_past, "; ".join(reasons))
             return own_forward(
                 self,
                 "; ".join(reasons),

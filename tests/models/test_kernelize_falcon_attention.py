@@ -276,6 +276,19 @@ def test_output_attentions_falls_back_for_that_call():
     assert launches(traces) == LAYERS  # the next call is served again
 
 
+def test_a_fallback_onto_a_cache_the_layer_filled_is_a_clear_error():
+    """The module's own forward (new decoder) appends every query head's K/V; the layer's cache holds the
+    KV heads, so continuing it that way cannot work, and the error says why rather than torch.cat's."""
+    model = kernelized(falcon("new_decoder"))
+    ids = input_ids(batch=1)
+    with torch.no_grad():
+        cache = model(ids[:, :10], use_cache=True).past_key_values
+        with pytest.raises(
+            ValueError, match=r"\(output_attentions=True: .*caches 4 KV heads, but the KV cache holds 2"
+        ):
+            model(ids[:, 10:], past_key_values=cache, output_attentions=True)
+
+
 def test_falcon_flash_attention2_keeps_its_own_forward():
     """A model built with flash_attention_2 gets FalconFlashAttention2, a subclass with its own forward
     (flash-attention masks and dropout): it inherits FalconAttention's tag, and the layer refuses it."""
