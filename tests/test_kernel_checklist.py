@@ -62,31 +62,34 @@ def missing_pieces(repo: Repo, reg: registry.Registry) -> list[str]:
                 missing.append(f"kernels_neuron/ops/{family}.py: none of {references} is defined there")
         if repo.layers != f"{family}_layers" or not (ROOT / f"kernels_neuron/ops/{family}_layers.py").is_file():
             missing.append(f"kernels_neuron/ops/{family}_layers.py (the repo's layers)")
-        elif any(entry.repo == repo.name for entry in reg.attention):
-            # Attention has no layer class: models reach its function through transformers' attention
-            # interface, and kernelize asks the repo's exported unsupported_reasons per module.
-            functions = {entry.function for entry in reg.attention if entry.repo == repo.name}
-            missing += [
-                f"{repo.name}: exports {name}"
-                for name in sorted(functions | {"unsupported_reasons"})
-                if name not in repo.export_names
-            ]
         else:
-            plugin = importlib.import_module(f"kernels_neuron.ops.{family}_layers")
-            limits = getattr(plugin, "LIMITS", None)
+            attention_repo = any(entry.repo == repo.name for entry in reg.attention)
+            if attention_repo:
+                # Models reach an attention function through transformers' attention interface, and
+                # kernelize asks the repo's exported unsupported_reasons per module.
+                functions = {entry.function for entry in reg.attention if entry.repo == repo.name}
+                missing += [
+                    f"{repo.name}: exports {name}"
+                    for name in sorted(functions | {"unsupported_reasons"})
+                    if name not in repo.export_names
+                ]
             kernel_layers = {layer.kernel_layer for layer in reg.layers if layer.repo == repo.name}
-            if not (
-                callable(getattr(plugin, "unsupported_reasons", None))
-                and (isinstance(limits, str) or (isinstance(limits, dict) and kernel_layers <= set(limits)))
-            ):
-                missing.append(
-                    f"kernels_neuron/ops/{family}_layers.py: unsupported_reasons and LIMITS (one text or one per layer)"
-                )
-            missing += [
-                f"kernels_neuron/ops/{family}_layers.py: class {layer.kernel_layer}"
-                for layer in reg.layers
-                if layer.repo == repo.name and not hasattr(plugin, layer.kernel_layer)
-            ]
+            if kernel_layers or not attention_repo:  # an attention repo's layers serve modules the interface misses
+                plugin = importlib.import_module(f"kernels_neuron.ops.{family}_layers")
+                limits = getattr(plugin, "LIMITS", None)
+                if not (
+                    callable(getattr(plugin, "unsupported_reasons", None))
+                    and (isinstance(limits, str) or (isinstance(limits, dict) and kernel_layers <= set(limits)))
+                ):
+                    missing.append(
+                        f"kernels_neuron/ops/{family}_layers.py: unsupported_reasons and LIMITS (one text or one "
+                        "per layer)"
+                    )
+                missing += [
+                    f"kernels_neuron/ops/{family}_layers.py: class {layer}"
+                    for layer in sorted(kernel_layers)
+                    if not hasattr(plugin, layer)
+                ]
         if not any(name in _text(f"tests/ops/test_{family}.py") for name in references):
             missing.append(f"tests/ops/test_{family}.py (comparing with {references})")
         if "kernelize(" not in _text(f"tests/models/test_kernelize_{family}.py"):

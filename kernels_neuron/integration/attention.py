@@ -7,6 +7,10 @@ batches would silently get no mask) and switches the model to that name. The dis
 package, per call, whether it can serve the module and the call (``unsupported_reasons``) and otherwise
 runs the model's own attention (sdpa, or eager where sdpa cannot: softcap, sinks, an eager model),
 recording why on the module.
+
+Attention classes whose forward calls no attention function (FalconAttention calls sdpa itself) cannot be
+routed; the registry maps those to a layer of the attention repo instead (``ops/attention_layers.py``),
+swapped like any other layer, and ``unserved`` reports the rest as not routed.
 """
 
 from __future__ import annotations

@@ -111,6 +111,7 @@ def kernelize(
     transformers' ``AttentionInterface``: the registry's attention function is registered, with
     transformers' sdpa mask, under a name without "flash" and the model is switched to it; modules the
     kernel cannot serve run the model's own attention, and the report has a row per attention module.
+    Attention classes that bypass the interface get a layer like any other (``FalconAttention``).
 
     Returns:
         The same model. ``model.kernels_neuron_report`` lists every module considered.
@@ -132,6 +133,9 @@ def kernelize(
     reg = registry_module.load()
     chosen = _chosen_kernels(reg, only, exclude, attention, mlp)
     requested = resolve_mode(model, mode)
+    # Hooking transformers' modeling classes first tags their subclasses too (FalconFlashAttention2 inherits
+    # FalconAttention's tag), so those are candidates (kept, with why, if the layer cannot serve them).
+    register_mapping(devices=tuple(dict.fromkeys((device, "cpu"))), reg=reg)
     candidates = find_candidates(model, reg)
     considered = {id(module) for _, module, _ in candidates}
     for _, module, _ in candidates:  # a new report: reasons recorded at earlier calls are dropped
@@ -140,7 +144,6 @@ def kernelize(
     candidates = [c for c in candidates if c[2].repo in chosen]
     for cls, layer in {type(m): layer for _, m, layer in candidates}.items():
         hook(cls, layer, reg)
-    register_mapping(devices=tuple(dict.fromkeys((device, "cpu"))), reg=reg)
     with _quiet_kernels_logging(), keeping_own_forward(kept):
         kernels.kernelize(model, mode=requested, device=device, use_fallback=True)
     report = KernelizeReport(device=device, mode=mode_name(requested))

@@ -14,7 +14,11 @@ from .report import ReportRow
 _UNSERVED_KINDS = (
     ("LayerNorm", "LayerNorm", "the hub's LayerNorm kernel serves torch.nn.LayerNorm and CohereLayerNorm only"),
     ("Experts", "MoE experts", "no MoE-experts kernel in the hub yet"),
-    ("MLP", "MLP", "not a gated MLP down(act(gate(x)) * up(x)), the only MLP the hub has a kernel for"),
+    (
+        "MLP",
+        "MLP",
+        "neither a gated MLP down(act(gate(x)) * up(x)) nor a plain one down(act(up(x))), the MLPs the hub has kernels for",
+    ),
 )
 
 
@@ -31,7 +35,11 @@ def without_kernel(model: nn.Module, candidates: set[int], attention: bool) -> l
         if kind is None and isinstance(module, nn.LayerNorm):
             kind = ("LayerNorm", _UNSERVED_KINDS[0][2])
         if kind is None and attention and name.endswith("Attention"):
-            kind = ("attention", "not routed: its model does not call transformers' AttentionInterface for it")
+            kind = (
+                "attention",
+                "not routed: its model does not call transformers' AttentionInterface for it, and no layer of the "
+                "hub replaces its forward (the hub has one for FalconAttention only)",
+            )
         if kind is not None:
             rows.append(
                 ReportRow(path or "<model>", kind[0], "-", "no kernel", f"{name}: {kind[1]}", weakref.ref(module))

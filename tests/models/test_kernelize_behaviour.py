@@ -293,26 +293,27 @@ def test_an_unknown_device_is_a_clear_error(device):
 
 
 def test_modules_of_kinds_the_hub_has_no_kernel_for_are_reported():
-    """Falcon (new decoder): its LayerNorms are swapped; a non-gated MLP and an attention module kernelize
-    cannot route have no kernel, and the report lists each with why."""
-    config = transformers.FalconConfig(
-        hidden_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        vocab_size=64,
-        new_decoder_architecture=True,
-        num_kv_heads=2,
-    )
-    model = kernels_neuron.kernelize(transformers.FalconForCausalLM(config).eval(), device="neuron")
+    """Bloom: its LayerNorms are swapped; an MLP of another form (it adds the residual itself) and an
+    attention module kernelize cannot route (its model calls no attention function) have no kernel, and
+    the report lists each with why."""
+    config = transformers.BloomConfig(hidden_size=128, n_layer=1, n_head=2, vocab_size=64)
+    model = kernels_neuron.kernelize(transformers.BloomForCausalLM(config).eval(), device="neuron")
     report = model.kernels_neuron_report
     assert {row.layer for row in report.swapped} == {"LayerNorm"} and report.fallbacks == []
     kinds = {row.path: (row.layer, row.reason) for row in report.no_kernel}
-    assert kinds["transformer.h.0.mlp"] == (
-        "MLP",
-        "FalconMLP: not a gated MLP down(act(gate(x)) * up(x)), the only MLP the hub has a kernel for",
-    )
-    assert kinds["transformer.h.0.self_attention"][0] == "attention"
-    assert "3 swapped, 0 kept their own forward, 2 with no kernel" in str(report)
+    assert kinds == {
+        "transformer.h.0.mlp": (
+            "MLP",
+            "BloomMLP: neither a gated MLP down(act(gate(x)) * up(x)) nor a plain one down(act(up(x))), the MLPs "
+            "the hub has kernels for",
+        ),
+        "transformer.h.0.self_attention": (
+            "attention",
+            "BloomAttention: not routed: its model does not call transformers' AttentionInterface for it, and no "
+            "layer of the hub replaces its forward (the hub has one for FalconAttention only)",
+        ),
+    }
+    assert "4 swapped, 0 kept their own forward, 2 with no kernel" in str(report)
 
 
 def test_a_layer_norm_class_the_hub_has_no_kernel_for_is_reported():

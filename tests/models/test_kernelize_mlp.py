@@ -257,7 +257,7 @@ def test_structure_decides_which_unlisted_mlps_are_swapped():
     assert set(report) == {"plain", "fused", "biased", "relu"}  # look-alikes are not even candidates ...
     unserved = {r.path: r.reason for r in block.kernels_neuron_report.no_kernel}
     assert set(unserved) == {"scaled", "clamped"}  # ... but the report names them
-    assert all("not a gated MLP" in reason for reason in unserved.values())
+    assert all("neither a gated MLP" in reason for reason in unserved.values())
     assert (report["plain"].layer, report["plain"].status) == ("GatedMLP", "swapped")
     assert (report["fused"].layer, report["fused"].status) == ("GatedMLPFusedGateUp", "swapped")
     assert report["biased"].status == "fallback" and "has a bias" in report["biased"].reason

@@ -216,10 +216,18 @@ def _load_transposed_tokens(out, src, t0, tokens, width, dtype, evictions):
         _transpose_rows_into(out[:, :, r0 : r0 + rows], tile, rows, width, dtype, evictions)
 
 
+def _column_chunks(cols):
+    """(start, size) chunks of ``cols`` weight columns, at most WEIGHT_ROW_CHUNK each and as even as
+    128-column multiples allow: 4608 columns read as 2 x 2304, not 4096 + 512, whose short rows would
+    move at a fraction of the DMA bandwidth."""
+    count = ceil_div(cols, WEIGHT_ROW_CHUNK)
+    return tiles(cols, ceil_div(ceil_div(cols, count), P) * P)
+
+
 def _load_weight_transposed(weight, r0, rows, cols, dtype, evictions):
     """weight[r0 : r0 + rows, :cols]^T as an SBUF tile [P, ceil(cols/128), rows], read in wide rows."""
     out = nl.ndarray((P, ceil_div(cols, P), rows), dtype, buffer=nl.sbuf)
-    for c0, c in tiles(cols, WEIGHT_ROW_CHUNK):
+    for c0, c in _column_chunks(cols):
         raw = nl.ndarray((rows, c), dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=raw, src=weight[r0 : r0 + rows, c0 : c0 + c])
         _transpose_rows_into(out[:, c0 // P :, :], raw, rows, c, dtype, evictions)
