@@ -41,6 +41,7 @@ def test_suite_cases_name_real_models_and_reference_ops():
             "Gemma-2-9B",
             "GPT-J-6B",
             "Starcoder2-7B",
+            "Pythia-6.9B",
             "Command-R",
         }
         assert case.reference_name and callable(case.prepare_reference)

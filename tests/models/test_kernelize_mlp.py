@@ -430,3 +430,24 @@ def test_gpt2s_dropout_runs_after_the_kernel_as_the_module_runs_it():
     want = reference(x)
     assert (want == 0).float().mean() > 0.3  # the dropout did drop
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_model_with_plain_mlps_runs_the_kernel_without_graph_breaks():
+    """GPT-NeoX under torch.compile(fullgraph=True): the plain layer's per-call checks trace (its
+    class's form is read from source once, by kernelize, not on every call)."""
+    config = transformers.GPTNeoXConfig(
+        hidden_size=64, intermediate_size=160, num_attention_heads=4, num_hidden_layers=LAYERS, vocab_size=128
+    )
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    reference = copy.deepcopy(model)
+    _kernelize(model, mode="inference+torch.compile")
+    assert {r.status for r in _mlp_rows(model)} == {"swapped"}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = input_ids()
+    with sim.capture() as traces:
+        out = logits(compiled, ids)
+    assert _launches(traces, "plain_mlp_fwd") == LAYERS
+    torch.testing.assert_close(out, logits(reference, ids), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

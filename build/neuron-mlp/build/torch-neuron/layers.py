@@ -414,10 +414,23 @@ class _PlainPlan(NamedTuple):
     activation: str
 
 
+@torch.compiler.assume_constant_result
+def _plain_form_fields(cls: type) -> tuple[str | None, ...]:
+    """``plain_mlp_form(cls)`` as a tuple of its fields (empty when none): a class's source does not
+    change, so torch.compile takes the result as a constant instead of tracing ``inspect.getsource``."""
+    form = plain_mlp_form(cls)
+    return () if form is None else tuple(form)
+
+
+def _plain_form(cls: type) -> PlainMLPForm | None:
+    fields = _plain_form_fields(cls)
+    return PlainMLPForm(*fields) if fields else None
+
+
 def _resolve_plain(module: nn.Module, x: torch.Tensor | None) -> _PlainPlan | list[str]:
     name = type(module).__name__
     cls: type = type(module)
-    form = plain_mlp_form(cls)
+    form = _plain_form(cls)
     if form is None:
         return [f"{name}.forward is not the plain MLP the kernel computes (down(act(up(x))), then optionally dropout)"]
     reasons = []
