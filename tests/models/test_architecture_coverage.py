@@ -84,6 +84,8 @@ def test_every_candidate_is_swapped_and_logits_and_generation_match(arch, head_d
         assert path in swapped, (path, unserved.get(path), str(report))
     assert report.fallbacks == []
     assert_logits_match(model, reference, input_ids())
+    if head_dim != 64:
+        return  # generation walks the same kernels; once per architecture is enough
     ids = input_ids(batch=1, seq=8)
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=5, do_sample=False)

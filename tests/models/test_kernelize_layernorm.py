@@ -1,13 +1,15 @@
 """kernelize(model, device="neuron") on tiny Cohere, Starcoder2, GPT-NeoX and Falcon models: every LayerNorm
-is swapped for the NKI layer, and logits (fp32, bf16), gradients and greedy generation match the
-un-kernelized model. The NKI kernels run on the CPU simulator."""
+is swapped for the NKI layer and rounds where the module rounds in bf16; LayerNorm classes the kernel does
+not compute keep their forward. The same models' fp32 logits, training gradients and greedy generation
+with every kernel swapped are checked in tests/models/test_architecture_coverage.py. The NKI kernels run
+on the CPU simulator."""
 
 import copy
 
 import pytest
 import torch
 import transformers
-from tiny_models import assert_bf16_like_torch, assert_gradients_match, assert_logits_match, bf16_errors, input_ids
+from tiny_models import assert_bf16_like_torch, bf16_errors, input_ids
 from torch import nn
 
 import kernels_neuron
@@ -81,37 +83,8 @@ def test_every_layer_norm_is_swapped(arch):
         assert forward.__qualname__ == f"{layer}.forward" and forward.__module__.startswith("_neuron_layernorm_")
 
 
-def test_fp32_logits_match_the_original_model(arch):
-    model = _build(arch)
-    reference = copy.deepcopy(model)
-    assert_logits_match(_kernelize(model), reference, input_ids())
-
-
 def test_bf16_logits_are_within_torchs_own_bf16_error(arch):
     assert_bf16_like_torch(bf16_errors(_build(arch), input_ids(), _kernelize))
-
-
-def test_training_gradients_match(arch):
-    model = _build(arch).train()
-    reference = copy.deepcopy(model)
-    _kernelize(model, mode="training")
-    ids = input_ids()
-    for m in (model, reference):
-        m(ids, labels=ids).loss.backward()
-    norm_grads = [m.weight.grad for m in _layer_norms(model).values()]
-    assert all(g is not None and g.abs().max() > 0 for g in norm_grads)  # the kernel's own gradients
-    assert_gradients_match(model, reference)
-
-
-def test_greedy_generation_gives_the_same_tokens():
-    model = _build("gpt_neox")
-    reference = copy.deepcopy(model)
-    _kernelize(model)
-    ids = input_ids(batch=1, seq=8)
-    with torch.no_grad():
-        got = model.generate(ids, max_new_tokens=6, do_sample=False)
-        want = reference.generate(ids, max_new_tokens=6, do_sample=False)
-    assert torch.equal(got, want)
 
 
 class LayerNorm(nn.Module):  # a model's own class of the same name, with other semantics
