@@ -59,6 +59,7 @@ MAX_TOKEN_BLOCK = 1024  # tokens whose x^T stays in SBUF while every weight tile
 MIN_TOKEN_BLOCK = 128  # the smallest block the forward plan falls back to when SBUF is short
 PSUM_BANK_BYTES = 2048  # one PSUM bank per partition: 512 fp32 or 1024 bf16 elements
 WEIGHT_ROW_CHUNK = 4096  # weight columns per DMA: 8 KiB rows (bf16) reach full modelled bandwidth
+SATURATING_ROW_BYTES = 4096  # docs/hardware.md: DMA needs >= 4 KiB per partition to saturate
 SBUF_RESERVE = 16 * 1024  # bytes per partition kept free for small tiles (activations, eviction buffers)
 MAX_HIDDEN = 8192  # 2-byte dtypes
 MAX_HIDDEN_FP32 = 4096
@@ -216,10 +217,14 @@ def _load_transposed_tokens(out, src, t0, tokens, width, dtype, evictions):
         _transpose_rows_into(out[:, :, r0 : r0 + rows], tile, rows, width, dtype, evictions)
 
 
-def _column_chunks(cols):
-    """(start, size) chunks of ``cols`` weight columns, at most WEIGHT_ROW_CHUNK each and as even as
-    128-column multiples allow: 4608 columns read as 2 x 2304, not 4096 + 512, whose short rows would
-    move at a fraction of the DMA bandwidth."""
+def _column_chunks(cols, dtype):
+    """(start, size) chunks of ``cols`` weight columns of at most WEIGHT_ROW_CHUNK. A last chunk whose
+    rows would be shorter than SATURATING_ROW_BYTES is avoided by evening the chunks out (in 128-column
+    multiples): 4608 bf16 columns are read as 2 x 2304, not 4096 + 512, whose 1 KiB rows would move at
+    a fraction of the DMA bandwidth; 14336 stay 3 x 4096 + 2048, all saturating."""
+    tail = cols % WEIGHT_ROW_CHUNK
+    if tail == 0 or tail * itemsize(dtype) >= SATURATING_ROW_BYTES:
+        return tiles(cols, WEIGHT_ROW_CHUNK)
     count = ceil_div(cols, WEIGHT_ROW_CHUNK)
     return tiles(cols, ceil_div(ceil_div(cols, count), P) * P)
 
@@ -227,7 +232,7 @@ def _column_chunks(cols):
 def _load_weight_transposed(weight, r0, rows, cols, dtype, evictions):
     """weight[r0 : r0 + rows, :cols]^T as an SBUF tile [P, ceil(cols/128), rows], read in wide rows."""
     out = nl.ndarray((P, ceil_div(cols, P), rows), dtype, buffer=nl.sbuf)
-    for c0, c in _column_chunks(cols):
+    for c0, c in _column_chunks(cols, dtype):
         raw = nl.ndarray((rows, c), dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=raw, src=weight[r0 : r0 + rows, c0 : c0 + c])
         _transpose_rows_into(out[:, c0 // P :, :], raw, rows, c, dtype, evictions)
