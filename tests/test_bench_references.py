@@ -47,6 +47,7 @@ SMALL = [
     suite.mlp_case("mlp-fwd/gelu", "Gemma-2-9B", 100, 192, 320, activation="gelu_tanh"),
     suite.mlp_case("mlp-bwd/silu", "Llama-3-8B", 100, 192, 320, backward=True),
     suite.mlp_case("mlp-bwd/gelu", "Gemma-2-9B", 100, 192, 320, activation="gelu_tanh", backward=True),
+    suite.moe_case("moe-fwd/top2", "Mixtral-8x7B", 100, 192, 320, 4, 2),
 ]
 
 

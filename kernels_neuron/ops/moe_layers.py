@@ -70,7 +70,7 @@ def _reference_tree() -> str | None:
 def computes(layer: str, cls: type) -> bool:
     """Whether ``cls.forward`` (under transformers' experts wrapper) is MixtralExperts' forward."""
     reference = _reference_tree()
-    return reference is not None and _forward_tree(_unwrapped(cls.forward)) == reference
+    return reference is not None and _forward_tree(_unwrapped(getattr(cls, "forward", None))) == reference
 
 
 def _reasons(module: nn.Module, x: torch.Tensor | None, top_k_index: torch.Tensor | None) -> list[str]:
@@ -110,7 +110,11 @@ def _reasons(module: nn.Module, x: torch.Tensor | None, top_k_index: torch.Tenso
         )
     if inter > MAX_INTERMEDIATE:
         reasons.append(f"intermediate size {inter} is above the kernel's {MAX_INTERMEDIATE}")
-    reasons += [f"{name}.{n} is not contiguous" for n, t in (("gate_up_proj", gate_up), ("down_proj", down)) if not t.is_contiguous()]
+    reasons += [
+        f"{name}.{n} is not contiguous"
+        for n, t in (("gate_up_proj", gate_up), ("down_proj", down))
+        if not t.is_contiguous()
+    ]
     return reasons
 
 
@@ -136,8 +140,9 @@ class MoEExperts(nn.Module):
         if reasons:
             return own_forward(self, "; ".join(reasons), hidden_states, top_k_index, top_k_weights)
         kind = activation_kind(self.act_fn)
-        assert kind is not None  # _reasons refused any other
-        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, kind)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        assert kind is not None and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # _reasons
+        return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, kind)
 
 
 __all__ = ["MoEExperts"]

@@ -44,7 +44,11 @@ _MOE = {
             "v_head_dim": 64,
         },
     ),
-    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 192}),
+    "olmoe": (
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 192},
+    ),
 }
 ARCHS = ["mixtral", *_MOE]
 
@@ -203,4 +207,3 @@ def test_an_activation_the_kernel_lacks_keeps_the_modules_forward():
     assert {r.status for r in rows} == {"fallback"}
     assert all("act_fn: activation ReLU" in r.reason for r in rows)
     assert_logits_match(model, reference, input_ids())
-

@@ -234,7 +234,11 @@ def _bad(**changes):
         ({"top_k_index": lambda i: i[:3]}, ValueError, r"top_k_index of shape \(3, 2\) is not \[6, k >= 1\]"),
         ({"top_k_index": lambda i: i.float()}, TypeError, "top_k_index has dtype torch.float32"),
         ({"top_k_weights": lambda w: w[:, :1]}, ValueError, "top_k_weights of shape"),
-        ({"w_down": lambda w: w[:, :32].contiguous()}, ValueError, "down weight of shape .* does not match hidden size 64"),
+        (
+            {"w_down": lambda w: w[:, :32].contiguous()},
+            ValueError,
+            "down weight of shape .* does not match hidden size 64",
+        ),
         ({"w_gate_up": lambda w: w[:, :100].contiguous()}, ValueError, r"gate_up weight of shape \(4, 100, 64\)"),
         ({"w_down": lambda w: w.double()}, TypeError, "down weight has dtype torch.float64"),
         ({"w_down": lambda w: w.bfloat16()}, TypeError, "x and the weights must share one dtype"),
@@ -248,7 +252,13 @@ def test_bad_input_gets_a_clear_error(changes, error, match):
 
 def test_sizes_past_the_limits_get_a_clear_error():
     with pytest.raises(ValueError, match="hidden size 4160 is outside the supported range 1..4096 for float32"):
-        moe_op.validate(torch.empty(2, 4160), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
-                        torch.empty(1, 2, 4160), torch.empty(1, 4160, 1), "silu")
+        moe_op.validate(
+            torch.empty(2, 4160),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, 1),
+            torch.empty(1, 2, 4160),
+            torch.empty(1, 4160, 1),
+            "silu",
+        )
     with pytest.raises(ValueError, match="intermediate size 65537 is outside the supported range 1..65536"):
         moe_kernels.check_shapes((2, 8), (1, 2 * 65537, 8), (1, 8, 65537), "silu")
