@@ -184,7 +184,9 @@ class _WeightStream(nl.NKIObject):
         weight, r0, rows, c0, cols = self.specs[self.issued]
         raw = nl.ndarray((rows, cols), self.experts.dtype, buffer=nl.sbuf)
         for k0, k in tiles(cols, WEIGHT_ROW_CHUNK):
-            nisa.dma_copy(dst=raw[:, k0 : k0 + k], src=self.experts.weight_rows(weight, self.expert, r0, rows, c0 + k0, k))
+            nisa.dma_copy(
+                dst=raw[:, k0 : k0 + k], src=self.experts.weight_rows(weight, self.expert, r0, rows, c0 + k0, k)
+            )
         self.loaded.append((raw, rows, cols))
         self.issued += 1
 
@@ -301,7 +303,9 @@ class _Experts(nl.NKIObject):
                 columns = nl.ds(j * tile, tile)
                 acc = nl.ndarray((hsz, tile), nl.float32, buffer=nl.psum)
                 for j_part, (_, isz) in enumerate(part):
-                    nisa.nc_matmul(dst=acc, stationary=wd_t[:isz, j_part, :hsz], moving=blk.act_t[:isz, j_part, columns])
+                    nisa.nc_matmul(
+                        dst=acc, stationary=wd_t[:isz, j_part, :hsz], moving=blk.act_t[:isz, j_part, columns]
+                    )
                 target = blk.x_t[:hsz, h, columns] if last else total[:, columns]
                 if first:
                     self.evictions.evict(target, acc)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import inspect
+import sys
 import textwrap
 
 import torch
@@ -57,14 +59,14 @@ def _forward_tree(function: object) -> str | None:
     return ast.dump(ast.Module(body=body, type_ignores=[]))
 
 
-@functools.cache
 def _reference_tree() -> str | None:
-    """MixtralExperts' forward, the computation the layer reproduces."""
-    try:
-        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-    except ImportError:
+    """MixtralExperts' forward, the computation the layer reproduces. transformers is no dependency of the
+    repo: while it is not loaded, there is no transformers experts class to compare either (nothing is
+    cached then, so a later call finds it)."""
+    if "transformers" not in sys.modules:
         return None
-    return _forward_tree(_unwrapped(MixtralExperts.forward))
+    module = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
+    return _forward_tree(_unwrapped(module.MixtralExperts.forward))
 
 
 def computes(layer: str, cls: type) -> bool:

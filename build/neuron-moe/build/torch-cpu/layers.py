@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import inspect
+import sys
 import textwrap
 
 import torch
@@ -57,20 +59,20 @@ def _forward_tree(function: object) -> str | None:
     return ast.dump(ast.Module(body=body, type_ignores=[]))
 
 
-@functools.cache
 def _reference_tree() -> str | None:
-    """MixtralExperts' forward, the computation the layer reproduces."""
-    try:
-        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-    except ImportError:
+    """MixtralExperts' forward, the computation the layer reproduces. transformers is no dependency of the
+    repo: while it is not loaded, there is no transformers experts class to compare either (nothing is
+    cached then, so a later call finds it)."""
+    if "transformers" not in sys.modules:
         return None
-    return _forward_tree(_unwrapped(MixtralExperts.forward))
+    module = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
+    return _forward_tree(_unwrapped(module.MixtralExperts.forward))
 
 
 def computes(layer: str, cls: type) -> bool:
     """Whether ``cls.forward`` (under transformers' experts wrapper) is MixtralExperts' forward."""
     reference = _reference_tree()
-    return reference is not None and _forward_tree(_unwrapped(cls.forward)) == reference
+    return reference is not None and _forward_tree(_unwrapped(getattr(cls, "forward", None))) == reference
 
 
 def _reasons(module: nn.Module, x: torch.Tensor | None, top_k_index: torch.Tensor | None) -> list[str]:
@@ -110,7 +112,11 @@ def _reasons(module: nn.Module, x: torch.Tensor | None, top_k_index: torch.Tenso
         )
     if inter > MAX_INTERMEDIATE:
         reasons.append(f"intermediate size {inter} is above the kernel's {MAX_INTERMEDIATE}")
-    reasons += [f"{name}.{n} is not contiguous" for n, t in (("gate_up_proj", gate_up), ("down_proj", down)) if not t.is_contiguous()]
+    reasons += [
+        f"{name}.{n} is not contiguous"
+        for n, t in (("gate_up_proj", gate_up), ("down_proj", down))
+        if not t.is_contiguous()
+    ]
     return reasons
 
 
@@ -136,8 +142,9 @@ class MoEExperts(nn.Module):
         if reasons:
             return own_forward(self, "; ".join(reasons), hidden_states, top_k_index, top_k_weights)
         kind = activation_kind(self.act_fn)
-        assert kind is not None  # _reasons refused any other
-        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, kind)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        assert kind is not None and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # _reasons
+        return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, kind)
 
 
 __all__ = ["MoEExperts"]

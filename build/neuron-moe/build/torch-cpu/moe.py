@@ -85,7 +85,9 @@ def routing_layout(
     slot_weight[slot] = weight[order]
     used = int(blocks.sum())
     block_expert = torch.repeat_interleave(torch.arange(experts, device=device), blocks)
-    in_block = torch.clamp(counts[block_expert] - (torch.arange(used, device=device) - first_block[block_expert]) * block, max=block)
+    in_block = torch.clamp(
+        counts[block_expert] - (torch.arange(used, device=device) - first_block[block_expert]) * block, max=block
+    )
     block_info = torch.zeros((num_blocks, _kernels.BLOCK_FIELDS), dtype=torch.int32, device=device)
     block_info[:used, 0] = block_expert.to(torch.int32)
     block_info[:used, 1] = ((in_block + tile - 1) // tile).to(torch.int32)
@@ -219,7 +221,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     x, top_k_index, top_k_weights, w_gate_up, w_down = ctx.saved_tensors
-    dx, d_weights, dw_gate_up, dw_down = moe_bwd(grad_out, x, top_k_index, top_k_weights, w_gate_up, w_down, ctx.activation)
+    dx, d_weights, dw_gate_up, dw_down = moe_bwd(
+        grad_out, x, top_k_index, top_k_weights, w_gate_up, w_down, ctx.activation
+    )
     return dx, None, d_weights, dw_gate_up, dw_down, None
 
 

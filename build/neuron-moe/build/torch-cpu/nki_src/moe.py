@@ -62,6 +62,9 @@ MAX_INTERMEDIATE = 65536
 ACTIVATIONS = ("silu", "gelu_tanh")
 DTYPES = ("bfloat16", "float16", "float32")
 BLOCK_FIELDS = 3  # block_info columns: expert, used token tiles, used (0 or 1)
+# Weight tiles whose reads are issued ahead of the tile in use: DMA queues run in order, so a read issued
+# after a tile's stores (partial sums, scattered rows) would wait for them and stall TensorE.
+PREFETCH = 2
 
 
 def max_hidden(dtype):
@@ -90,9 +93,7 @@ def check_shapes(x_shape, gate_up_shape, down_shape, activation, dtypes=None):
     if experts < 1:
         raise ValueError(f"moe_experts: the weights hold no expert (shape {tuple(down_shape)})")
     if not 1 <= inter <= MAX_INTERMEDIATE:
-        raise ValueError(
-            f"moe_experts: intermediate size {inter} is outside the supported range 1..{MAX_INTERMEDIATE}"
-        )
+        raise ValueError(f"moe_experts: intermediate size {inter} is outside the supported range 1..{MAX_INTERMEDIATE}")
     name = None
     if dtypes is not None:
         names = {dtype_name(d) for d in dtypes}
@@ -113,16 +114,18 @@ def _fixed_bytes(tile, block, hidden, dtype):
     """SBUF per partition that does not grow with the part: weight staging, x^T, the row tiles."""
     size = itemsize(dtype)
     h_tiles = ceil_div(hidden, P)
-    staging = 2 * 2 * (min(hidden, WEIGHT_ROW_CHUNK) + h_tiles * P) * size  # gate and up, raw and transposed, double
+    # gate/up rows: PREFETCH + 1 raw tiles in flight, two transposed (the gate and up of the tile in use)
+    staging = (PREFETCH + 1 + 2) * h_tiles * P * size
     rows = 2 * hidden * size  # the gathered x rows and the weighted output rows of one token tile
-    partial = 2 * tile * 4  # an earlier part's y^T tile (fp32) beside the sum
+    partial = 4 * block * 4  # a hidden tile's earlier sums (this one's and the next's) and new sums, fp32
     return SBUF_RESERVE + staging + rows + h_tiles * block * size + partial
 
 
 def _part_tile_bytes(block, dtype):
-    """SBUF per partition per intermediate tile of a part: its a^T and the down weight's staging."""
+    """SBUF per partition per intermediate tile of a part: its a^T and the down weight's staging (PREFETCH
+    + 1 raw tiles in flight, one transposed)."""
     size = itemsize(dtype)
-    return block * size + 2 * 2 * P * size
+    return block * size + (PREFETCH + 2) * P * size
 
 
 def block_plan(tokens, hidden, inter, dtype):
@@ -167,6 +170,45 @@ class _Block(nl.NKIObject):
         self.expert, self.used_tiles, self.slot0, self.x_t, self.act_t = expert, used_tiles, slot0, x_t, act_t
 
 
+class _WeightStream(nl.NKIObject):
+    """One block's expert weight tiles in the order the block uses them: (weight, r0, rows, c0, cols) for
+    weight[expert, r0 : r0 + rows, c0 : c0 + cols]. Each tile is read PREFETCH tiles ahead of its use and
+    transposed on TensorE one tile ahead, so TensorE finds its operands loaded and evicted."""
+
+    def __init__(self, experts, expert, specs):
+        self.experts, self.expert, self.specs = experts, expert, specs
+        self.loaded = []
+        self.issued, self.transposed, self.ready = 0, 0, None
+
+    def _read(self):
+        weight, r0, rows, c0, cols = self.specs[self.issued]
+        raw = nl.ndarray((rows, cols), self.experts.dtype, buffer=nl.sbuf)
+        for k0, k in tiles(cols, WEIGHT_ROW_CHUNK):
+            nisa.dma_copy(
+                dst=raw[:, k0 : k0 + k], src=self.experts.weight_rows(weight, self.expert, r0, rows, c0 + k0, k)
+            )
+        self.loaded.append((raw, rows, cols))
+        self.issued += 1
+
+    def _transpose_next(self):
+        while self.issued < len(self.specs) and len(self.loaded) <= PREFETCH:
+            self._read()
+        raw, rows, cols = self.loaded.pop(0)
+        out = nl.ndarray((P, ceil_div(cols, P), rows), self.experts.dtype, buffer=nl.sbuf)
+        _transpose_rows_into(out, raw, rows, cols, self.experts.dtype, self.experts.evictions)
+        self.transposed += 1
+        return out
+
+    def take(self):
+        """The next tile, transposed: SBUF [P, ceil(cols/128), rows]. The tile after it is transposed now,
+        before this one's matmuls, so its PSUM evictions overlap them."""
+        if self.ready is None:
+            self.ready = self._transpose_next()
+        current = self.ready
+        self.ready = self._transpose_next() if self.transposed < len(self.specs) else None
+        return current
+
+
 class _Experts(nl.NKIObject):
     """What the forward's steps share: inputs, the routing tables, outputs and the plan."""
 
@@ -180,20 +222,25 @@ class _Experts(nl.NKIObject):
         self.dtype = x.dtype
         self.evictions = _Evictions()
 
-    def _weight_rows(self, weight, expert, r0, rows, c0, cols):
+    def weight_rows(self, weight, expert, r0, rows, c0, cols):
         """weight[expert, r0 : r0 + rows, c0 : c0 + cols], the expert a register: an access pattern
         whose start moves by whole experts (``scalar_offset``)."""
         width = weight.shape[2]
         return weight.ap(pattern=[[width, rows], [1, cols]], offset=r0 * width + c0, scalar_offset=expert)
 
-    def _weight_transposed(self, weight, expert, r0, rows, c0, cols):
-        """The expert's weight[r0 : r0 + rows, c0 : c0 + cols]^T in SBUF [P, ceil(cols/128), rows], read in wide rows."""
-        out = nl.ndarray((P, ceil_div(cols, P), rows), self.dtype, buffer=nl.sbuf)
-        for k0, k in tiles(cols, WEIGHT_ROW_CHUNK):
-            raw = nl.ndarray((rows, k), self.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=raw, src=self._weight_rows(weight, expert, r0, rows, c0 + k0, k))
-            _transpose_rows_into(out[:, k0 // P :, :], raw, rows, k, self.dtype, self.evictions)
-        return out
+    def weight_stream(self, blk, parts):
+        """The block's weight tiles in use order: per part, each intermediate tile's gate and up rows,
+        then each hidden tile's down row segment for the part."""
+        specs = []
+        for part in parts:
+            for i0, isz in part:
+                specs.append((self.w_gate_up, i0, isz, 0, self.hidden))
+                specs.append((self.w_gate_up, self.inter + i0, isz, 0, self.hidden))
+            p0 = part[0][0]
+            p_cols = part[-1][0] + part[-1][1] - p0
+            for h0, hsz in tiles(self.hidden, P):
+                specs.append((self.w_down, h0, hsz, p0, p_cols))
+        return _WeightStream(self, blk.expert, specs)
 
     def _slot_column(self, table, start, dtype):
         """table[start : start + tile] as an SBUF [tile, 1] column: one value per partition."""
@@ -212,13 +259,13 @@ class _Experts(nl.NKIObject):
             nisa.dma_copy(dst=rows, src=source, oob_mode=nisa.oob_mode.skip)
             _transpose_rows_into(blk.x_t[:, :, nl.ds(j * tile, tile)], rows, tile, hidden, self.dtype, self.evictions)
 
-    def gate_up(self, blk, part):
+    def gate_up(self, blk, part, stream):
         """a^T = act(g^T) * u^T for the part's intermediate tiles, token tile by token tile."""
         h_tiles = list(tiles(self.hidden, P))
         tile = self.tile
-        for j_part, (i0, isz) in enumerate(part):
-            wg_t = self._weight_transposed(self.w_gate_up, blk.expert, i0, isz, 0, self.hidden)
-            wu_t = self._weight_transposed(self.w_gate_up, blk.expert, self.inter + i0, isz, 0, self.hidden)
+        for j_part, (_, isz) in enumerate(part):
+            wg_t = stream.take()
+            wu_t = stream.take()
             for j in nl.dynamic_range(blk.used_tiles):
                 columns = nl.ds(j * tile, tile)
                 gate = nl.ndarray((isz, tile), nl.float32, buffer=nl.psum)
@@ -231,27 +278,41 @@ class _Experts(nl.NKIObject):
                 nisa.activation(dst=activated, op=_act_op(self.activation), data=gate)
                 nisa.tensor_tensor(dst=blk.act_t[:isz, j_part, columns], data1=activated, data2=up, op=nl.multiply)
 
-    def down(self, blk, part, first, last):
-        """y^T (+)= Wd[:, part] a^T[part] per hidden tile; the last part leaves y^T (input dtype) in x^T's buffer."""
-        tile = self.tile
-        p0 = part[0][0]
-        p_cols = part[-1][0] + part[-1][1] - p0
-        for h, (h0, hsz) in enumerate(tiles(self.hidden, P)):
-            wd_t = self._weight_transposed(self.w_down, blk.expert, h0, hsz, p0, p_cols)
+    def down(self, blk, part, stream, first, last):
+        """y^T (+)= Wd[:, part] a^T[part] per hidden tile; the last part leaves y^T (input dtype) in x^T's buffer.
+
+        Partial sums over parts move between parts a whole hidden tile at a time ([128, block] fp32: long
+        rows, full DMA efficiency; columns past the used token tiles carry nothing and are never read as
+        results), and each tile's earlier sums are read before the previous tile's are stored."""
+        tile, block = self.tile, self.block
+        h_tiles = list(tiles(self.hidden, P))
+
+        def read_earlier(h0, hsz):
+            earlier = nl.ndarray((hsz, block), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=earlier, src=self.partial[h0 : h0 + hsz, :])
+            return earlier
+
+        upcoming = None if first else read_earlier(*h_tiles[0])
+        for h, (h0, hsz) in enumerate(h_tiles):
+            wd_t = stream.take()
+            earlier = upcoming
+            if not first and h + 1 < len(h_tiles):
+                upcoming = read_earlier(*h_tiles[h + 1])
+            total = None if last else nl.ndarray((hsz, block), nl.float32, buffer=nl.sbuf)
             for j in nl.dynamic_range(blk.used_tiles):
                 columns = nl.ds(j * tile, tile)
                 acc = nl.ndarray((hsz, tile), nl.float32, buffer=nl.psum)
                 for j_part, (_, isz) in enumerate(part):
-                    nisa.nc_matmul(dst=acc, stationary=wd_t[:isz, j_part, :hsz], moving=blk.act_t[:isz, j_part, columns])
-                target = blk.x_t[:hsz, h, columns] if last else nl.ndarray((hsz, tile), nl.float32, buffer=nl.sbuf)
+                    nisa.nc_matmul(
+                        dst=acc, stationary=wd_t[:isz, j_part, :hsz], moving=blk.act_t[:isz, j_part, columns]
+                    )
+                target = blk.x_t[:hsz, h, columns] if last else total[:, columns]
                 if first:
                     self.evictions.evict(target, acc)
                 else:
-                    earlier = nl.ndarray((hsz, tile), nl.float32, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=earlier, src=self.partial[h0 : h0 + hsz, columns])
-                    nisa.tensor_tensor(dst=target, data1=acc, data2=earlier, op=nl.add)
-                if not last:
-                    nisa.dma_copy(dst=self.partial[h0 : h0 + hsz, columns], src=target)
+                    nisa.tensor_tensor(dst=target, data1=acc, data2=earlier[:, columns], op=nl.add)
+            if not last:
+                nisa.dma_copy(dst=self.partial[h0 : h0 + hsz, :], src=total)
 
     def scatter(self, blk):
         """Each used token tile of y^T back to rows, times its routing weights, to its choices' rows."""
@@ -267,13 +328,17 @@ class _Experts(nl.NKIObject):
                 members = h_tiles[g0 : g0 + group]
                 bank = nl.ndarray((tile, group * P), dtype, buffer=nl.psum)
                 for m, (_, hsz) in enumerate(members):
-                    nisa.nc_transpose(dst=bank[:, m * P : m * P + hsz], data=blk.x_t[:hsz, g0 + m, nl.ds(j * tile, tile)])
+                    nisa.nc_transpose(
+                        dst=bank[:, m * P : m * P + hsz], data=blk.x_t[:hsz, g0 + m, nl.ds(j * tile, tile)]
+                    )
                 c0 = members[0][0]
                 cols = members[-1][0] + members[-1][1] - c0
                 nisa.tensor_scalar(
                     dst=rows[:, c0 : c0 + cols], data=bank[:, :cols], op0=nl.multiply, operand0=weight[:, 0:1]
                 )
-            target = self.rows_out.ap(pattern=[[hidden, tile], [1, hidden]], offset=0, vector_offset=index, indirect_dim=0)
+            target = self.rows_out.ap(
+                pattern=[[hidden, tile], [1, hidden]], offset=0, vector_offset=index, indirect_dim=0
+            )
             nisa.dma_copy(dst=target, src=rows, oob_mode=nisa.oob_mode.skip)
 
 
@@ -361,10 +426,11 @@ def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight,
         nisa.register_load(used, info[0:1, 2:3])
         for _ in nl.dynamic_range(used):
             blk = _Block(expert, used_tiles, b * block, x_t, act_t)
+            stream = experts_run.weight_stream(blk, parts)
             experts_run.gather(blk)
             for n, part in enumerate(parts):
-                experts_run.gate_up(blk, part)
-                experts_run.down(blk, part, first=n == 0, last=n == len(parts) - 1)
+                experts_run.gate_up(blk, part, stream)
+                experts_run.down(blk, part, stream, first=n == 0, last=n == len(parts) - 1)
             experts_run.scatter(blk)
     _combine(rows_out, out, top_k, dtype)
     return out
