@@ -39,7 +39,10 @@ Tiling plan (per used block, :func:`block_plan` and :func:`part_tiles`)
     rows and transposed once, g^T and u^T accumulate over H in PSUM per token tile, ScalarE applies
     the activation and VectorE multiplies into a^T; per hidden tile, the expert's down rows for the
     part are read and transposed once and y^T accumulates over the part's tiles. Partial sums over
-    parts go through a kernel-private fp32 HBM buffer. The last part writes the finished y^T (input
+    parts go through a kernel-private fp32 HBM buffer, a whole hidden tile ([128, block]) per transfer.
+    The weight tiles stream in use order (:class:`_WeightStream`): each read two tiles ahead (DMA queues
+    run in order, so a read issued after a tile's stores would wait for them) and transposed one tile
+    ahead (its PSUM evictions overlap the matmuls of the tile before). The last part writes the finished y^T (input
     dtype) into the x^T buffer, which it no longer needs; each token tile is then transposed back
     to rows, multiplied by its routing weights in the PSUM eviction, and scattered.
     Every used block reads its expert's weights once, so an expert with up to ``block`` slots reads
