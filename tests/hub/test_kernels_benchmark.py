@@ -28,6 +28,7 @@ REPO_WORKLOADS = {
         "GatedMLPBenchmark.geglu_prefill",
         "GatedMLPBenchmark.swiglu_decode",
     },
+    "neuron-moe": {"MoEExpertsBenchmark.prefill", "MoEExpertsBenchmark.decode"},
 }
 
 
