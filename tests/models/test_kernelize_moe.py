@@ -5,6 +5,7 @@ same tokens. GPT-OSS's experts (another computation) and look-alike classes keep
 the reason in the report. The NKI kernels run on the CPU simulator, and each test checks that they did."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -207,3 +208,16 @@ def test_an_activation_the_kernel_lacks_keeps_the_modules_forward():
     assert {r.status for r in rows} == {"fallback"}
     assert all("act_fn: activation ReLU" in r.reason for r in rows)
     assert_logits_match(model, reference, input_ids())
+
+
+def test_the_layer_recognises_experts_once_transformers_is_loaded(monkeypatch):
+    """The plug-in never imports transformers itself (the Hub repo does not depend on it); asked while it is
+    not loaded, it recognises nothing, and remembers nothing of that once it is."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from kernels_neuron.ops import moe_layers
+
+    monkeypatch.delitem(sys.modules, "transformers")
+    assert not moe_layers.computes("MoEExperts", MixtralExperts)
+    monkeypatch.undo()
+    assert moe_layers.computes("MoEExperts", MixtralExperts)
