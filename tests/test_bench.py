@@ -43,6 +43,8 @@ def test_suite_cases_name_real_models_and_reference_ops():
             "Starcoder2-7B",
             "Pythia-6.9B",
             "Command-R",
+            "Mixtral-8x7B",
+            "Qwen3-30B-A3B",
         }
         assert case.reference_name and callable(case.prepare_reference)
 

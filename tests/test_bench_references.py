@@ -54,6 +54,7 @@ SMALL = [
         "plain-mlp-bwd/gelu_tanh", "Starcoder2-7B", "Starcoder2MLP", 100, 192, 320, "gelu_tanh", backward=True
     ),
     suite.plain_mlp_case("plain-mlp-fwd/gelu", "Pythia-6.9B", "GPTNeoXMLP", 100, 192, 320, "gelu"),
+    suite.moe_case("moe-fwd/top2", "Mixtral-8x7B", 100, 192, 320, 4, 2),
 ]
 
 

@@ -27,11 +27,13 @@ from kernels_neuron.sim.examples import tiled_matmul  # noqa: E402
 from nki_src.attention import flash_attn_bwd, flash_attn_fwd  # noqa: E402
 from nki_src.layernorm import layernorm_bwd, layernorm_fwd  # noqa: E402
 from nki_src.mlp import mlp_bwd, mlp_fwd, plain_mlp_bwd, plain_mlp_fwd, saved_shape  # noqa: E402
+from nki_src.moe import moe_fwd  # noqa: E402
 from nki_src.rmsnorm import rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
 
 from ..ops.attention import attention_reference  # noqa: E402
 from ..ops.layernorm import layer_norm_reference  # noqa: E402
 from ..ops.mlp import gated_mlp_reference  # noqa: E402
+from ..ops.moe import moe_experts_reference, routing_layout  # noqa: E402
 from ..ops.plain_mlp import plain_mlp_reference  # noqa: E402
 from ..ops.rmsnorm import rms_norm_reference  # noqa: E402
 from .calibration import basic_tiled, blocked_free, fully_optimized, operands  # noqa: E402
@@ -385,6 +387,65 @@ def plain_mlp_case(
     )
 
 
+def _moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: int) -> tuple:
+    """bf16 tokens and expert weights, routed by a random softmax router (top-k, renormalised as
+    Mixtral's router does), laid out for the kernel (``routing_layout``)."""
+    rng = np.random.default_rng(seed)
+
+    def draw(*shape, scale=1.0):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
+
+    x = draw(tokens, hidden)
+    w_gate_up = draw(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w_down = draw(experts, hidden, inter, scale=inter**-0.5)
+    probs = torch.from_numpy(rng.standard_normal((tokens, experts), dtype=np.float32)).softmax(-1)
+    weights, index = torch.topk(probs, top_k, dim=-1)
+    layout = routing_layout(index, weights / weights.sum(-1, keepdim=True), experts, hidden, inter, torch.bfloat16)
+    tables = (layout.block_info, layout.slot_token, layout.slot_row, layout.slot_weight)
+    return (x, w_gate_up, w_down) + tuple(t.numpy() for t in tables)
+
+
+def _moe_forward(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight, top_k, activation):
+    """The transformers module's forward (``moe_experts_reference``: MixtralExperts) on the routing the
+    block layout encodes: each used slot's choice t*k + j gets its block's expert and its weight."""
+    tokens = x.shape[0]
+    block = slot_token.shape[0] // block_info.shape[0]
+    slot_expert = torch.as_tensor(block_info)[:, 0].long().repeat_interleave(block)
+    row = torch.as_tensor(slot_row)[:, 0].long()
+    used = row < tokens * top_k
+    index = torch.zeros(tokens * top_k, dtype=torch.long)
+    weights = torch.zeros(tokens * top_k, dtype=torch.float32)
+    index[row[used]] = slot_expert[used]
+    weights[row[used]] = torch.as_tensor(slot_weight)[:, 0].float()[used]
+    return partial(
+        moe_experts_reference,
+        x,
+        index.reshape(tokens, top_k),
+        weights.reshape(tokens, top_k),
+        w_gate_up,
+        w_down,
+        activation,
+    )
+
+
+def moe_case(name: str, model: str, tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> Case:
+    """The grouped MoE experts forward, simulated at the full shape. FLOPs the standard way: each of the
+    T*k routed choices through its expert's three projections (6*T*k*H*I); the padding of the ragged
+    groups and the TensorE transposes the kernel needs are not counted."""
+    return Case(
+        name=name,
+        kernel=moe_fwd,
+        make_inputs=partial(_moe_inputs, tokens, hidden, inter, experts, top_k),
+        shape={"tokens": tokens, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": top_k},
+        dtype="bfloat16",
+        model=model,
+        reference_name="MixtralExperts forward (torch)",
+        prepare_reference=_moe_forward,
+        kwargs={"top_k": top_k, "activation": "silu"},
+        standard_flops=6 * tokens * top_k * hidden * inter,
+    )
+
+
 CASES: list[Case] = [
     mlp_case("mlp-fwd/llama3-8b/2048-tokens", "Llama-3-8B", PREFILL_TOKENS, 4096, 14336),
     mlp_case("mlp-bwd/llama3-8b/2048-tokens", "Llama-3-8B", PREFILL_TOKENS, 4096, 14336, backward=True),
@@ -425,6 +486,9 @@ CASES: list[Case] = [
     plain_mlp_case(
         "plain-mlp-fwd/pythia-6.9b/2048-tokens", "Pythia-6.9B", "GPTNeoXMLP", PREFILL_TOKENS, 4096, 16384, "gelu"
     ),
+    moe_case("moe-fwd/mixtral-8x7b/2048-tokens-top2", "Mixtral-8x7B", PREFILL_TOKENS, 4096, 14336, 8, 2),
+    moe_case("moe-fwd/mixtral-8x7b/decode-8-top2", "Mixtral-8x7B", 8, 4096, 14336, 8, 2),
+    moe_case("moe-fwd/qwen3-30b-a3b/2048-tokens-top8", "Qwen3-30B-A3B", PREFILL_TOKENS, 2048, 768, 128, 8),
     attention_case("attention-fwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096),
     attention_case("attention-fwd/llama3-8b/causal-8192", "Llama-3-8B", 8192, 8192),
     attention_case("attention-bwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096, backward=True),

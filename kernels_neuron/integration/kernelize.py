@@ -99,8 +99,7 @@ def kernelize(
         mode: None (from ``model.training``), a ``kernels.Mode``, or "inference", "training",
             "inference+torch.compile", "training+torch.compile".
         only: the kernels to use, by repo name ("neuron-rmsnorm", "neuron-layernorm", "neuron-mlp",
-            "neuron-flash-attn");
-            default all.
+            "neuron-moe", "neuron-flash-attn"); default all.
         exclude: kernels not to use. A module of an excluded kernel keeps its own forward (or gets it
             back, if an earlier call swapped it) and is left out of the report; excluded attention
             gives the model its own attention back.

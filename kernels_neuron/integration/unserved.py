@@ -13,7 +13,7 @@ from .report import ReportRow
 # rather than leave them out: (what the name ends with, the kind, why).
 _UNSERVED_KINDS = (
     ("LayerNorm", "LayerNorm", "the hub's LayerNorm kernel serves torch.nn.LayerNorm and CohereLayerNorm only"),
-    ("Experts", "MoE experts", "no MoE-experts kernel in the hub yet"),
+    ("Experts", "MoE experts", "not MixtralExperts' forward, the only experts form the hub's MoE kernel serves"),
     (
         "MLP",
         "MLP",

@@ -29,6 +29,7 @@ REPO_WORKLOADS = {
         "GatedMLPBenchmark.swiglu_decode",
         "PlainMLPBenchmark.gelu_tanh_prefill",
     },
+    "neuron-moe": {"MoEExpertsBenchmark.prefill", "MoEExpertsBenchmark.decode"},
 }
 
 

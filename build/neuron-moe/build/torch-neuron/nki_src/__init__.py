@@ -1,0 +1,1 @@
+"""NKI kernel sources, as in the kernels-neuron nki_src/ folder."""

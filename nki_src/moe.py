@@ -1,0 +1,439 @@
+"""Grouped MoE experts (every routed expert's gated MLP, one launch) for Trainium, in NKI.
+
+For each token t and each of its top-k choices (expert e, routing weight w):
+
+    out[t] = sum over its k choices of  w * down_e(act(gate_e(x[t])) * up_e(x[t]))
+
+with the experts' weights in the transformers layout of Mixtral, Qwen3-MoE, DeepSeek-V3 and OLMoE
+(``MixtralExperts``): ``w_gate_up`` [E, 2I, H] (each expert's gate rows, then its up rows) and
+``w_down`` [E, H, I]. ``act`` is ``"silu"`` or ``"gelu_tanh"``.
+
+Dimensions
+    T: tokens, k: choices per token (any T*k >= 1), E: experts, H: hidden (1..max_hidden(dtype)),
+    I: each expert's intermediate size (1..MAX_INTERMEDIATE). Dtypes: x and the weights share one
+    of bfloat16, float16, float32; matmuls accumulate in fp32 PSUM, the down projection's output is
+    rounded to the input dtype before the routing weight multiplies it (as transformers rounds it),
+    and the k weighted rows of a token are summed in fp32 and rounded once.
+
+How ragged groups are handled: a block layout
+    How many tokens each expert gets is data, known only at run time. The caller (the torch op,
+    :func:`routing_shape` for the sizes) sorts the T*k choices by expert and cuts each expert's group
+    into blocks of up to ``block`` slots, ``tile`` slots to a token tile, the last tile padded. The
+    number of blocks is bounded by a static ``num_blocks`` (every expert could end one block partly
+    full), so the kernel's outer loop is static over the block slots, and everything that depends on
+    the routing is a runtime value:
+      - ``block_info[b] = (expert, used token tiles, used)``, read into engine registers: a block with
+        ``used = 0`` runs nothing (a dynamic loop of zero trips), so experts with no token read none of
+        their weights; the expert register offsets the weight reads (``.ap(scalar_offset=...)``); the
+        token tiles of a block are a dynamic loop;
+      - ``slot_token`` (a padding slot: T, out of bounds) gathers x's rows per token tile, and
+        ``slot_row`` (padding: T*k) scatters the weighted output rows, with indirect DMAs
+        (``vector_offset``) that skip out-of-bounds rows; ``slot_weight`` is the routing weight.
+    Each choice's weighted row lands at row t*k + j of a kernel-private [T*k, H] buffer; a last pass
+    sums every token's k rows. No atomics, no ordering between blocks: the result is deterministic.
+
+Tiling plan (per used block, :func:`block_plan` and :func:`part_tiles`)
+    The block's x^T [H on partitions, block tokens] stays in SBUF (gathered rows, transposed on
+    TensorE). The expert's intermediate is produced in parts, as in the dense kernel
+    (``nki_src/mlp.py``): per intermediate tile, the expert's gate and up rows are read in 8 KiB
+    rows and transposed once, g^T and u^T accumulate over H in PSUM per token tile, ScalarE applies
+    the activation and VectorE multiplies into a^T; per hidden tile, the expert's down rows for the
+    part are read and transposed once and y^T accumulates over the part's tiles. Partial sums over
+    parts go through a kernel-private fp32 HBM buffer, a whole hidden tile ([128, block]) per transfer.
+    The weight tiles stream in use order (:class:`_WeightStream`): each read two tiles ahead (DMA queues
+    run in order, so a read issued after a tile's stores would wait for them) and transposed one tile
+    ahead (its PSUM evictions overlap the matmuls of the tile before). The last part writes the finished y^T (input
+    dtype) into the x^T buffer, which it no longer needs; each token tile is then transposed back
+    to rows, multiplied by its routing weights in the PSUM eviction, and scattered.
+    Every used block reads its expert's weights once, so an expert with up to ``block`` slots reads
+    them once.
+"""
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from ._common import P, ceil_div, dtype_name, itemsize, tiles
+from .mlp import PSUM_BANK_BYTES, SBUF_RESERVE, WEIGHT_ROW_CHUNK, _act_op, _Evictions, _transpose_rows_into
+
+TOKEN_TILE = 128  # slots per token tile: one gather of rows onto partitions, one transpose
+MAX_BLOCK_TOKENS = 1024  # slots of one block, whose x^T stays in SBUF while the expert's weights stream past
+PLAN_SBUF_BYTES = 192 * 1024  # the block layout is planned for Trn1's SBUF, the smallest target's
+MAX_HIDDEN = 8192  # 2-byte dtypes
+MAX_HIDDEN_FP32 = 4096
+MAX_INTERMEDIATE = 65536
+ACTIVATIONS = ("silu", "gelu_tanh")
+DTYPES = ("bfloat16", "float16", "float32")
+BLOCK_FIELDS = 3  # block_info columns: expert, used token tiles, used (0 or 1)
+# Weight tiles whose reads are issued ahead of the tile in use: DMA queues run in order, so a read issued
+# after a tile's stores (partial sums, scattered rows) would wait for them and stall TensorE.
+PREFETCH = 2
+
+
+def max_hidden(dtype):
+    """The largest hidden size the kernel takes for ``dtype``."""
+    return MAX_HIDDEN_FP32 if itemsize(dtype) == 4 else MAX_HIDDEN
+
+
+def check_shapes(x_shape, gate_up_shape, down_shape, activation, dtypes=None):
+    """Raise ValueError naming the op, the argument, the value and the limit when the kernel cannot take them."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe_experts: activation {activation!r} is not one of {ACTIVATIONS}")
+    if len(x_shape) != 2 or x_shape[0] < 1:
+        raise ValueError(f"moe_experts: x must be 2-D [tokens >= 1, hidden], got shape {tuple(x_shape)}")
+    hidden = x_shape[1]
+    if len(down_shape) != 3 or down_shape[1] != hidden:
+        raise ValueError(
+            f"moe_experts: down weight of shape {tuple(down_shape)} does not match hidden size {hidden} "
+            f"(expected [experts, {hidden}, intermediate])"
+        )
+    experts, _, inter = down_shape
+    if tuple(gate_up_shape) != (experts, 2 * inter, hidden):
+        raise ValueError(
+            f"moe_experts: gate_up weight of shape {tuple(gate_up_shape)} does not match "
+            f"[{experts}, 2 * {inter}, {hidden}] (from down weight {tuple(down_shape)} and x {tuple(x_shape)})"
+        )
+    if experts < 1:
+        raise ValueError(f"moe_experts: the weights hold no expert (shape {tuple(down_shape)})")
+    if not 1 <= inter <= MAX_INTERMEDIATE:
+        raise ValueError(f"moe_experts: intermediate size {inter} is outside the supported range 1..{MAX_INTERMEDIATE}")
+    name = None
+    if dtypes is not None:
+        names = {dtype_name(d) for d in dtypes}
+        if len(names) != 1:
+            raise ValueError(f"moe_experts: x and the weights must share one dtype, got {sorted(names)}")
+        (name,) = names
+        if name not in DTYPES:
+            raise ValueError(f"moe_experts: dtype {name} is not supported; use one of {DTYPES}")
+    limit = MAX_HIDDEN if name is None else max_hidden(name)
+    if not 1 <= hidden <= limit:
+        raise ValueError(
+            f"moe_experts: hidden size {hidden} is outside the supported range 1..{limit}"
+            + ("" if name is None else f" for {name}")
+        )
+
+
+def _fixed_bytes(tile, block, hidden, dtype):
+    """SBUF per partition that does not grow with the part: weight staging, x^T, the row tiles."""
+    size = itemsize(dtype)
+    h_tiles = ceil_div(hidden, P)
+    # gate/up rows: PREFETCH + 1 raw tiles in flight, two transposed (the gate and up of the tile in use)
+    staging = (PREFETCH + 1 + 2) * h_tiles * P * size
+    rows = 2 * hidden * size  # the gathered x rows and the weighted output rows of one token tile
+    partial = 4 * block * 4  # a hidden tile's earlier sums (this one's and the next's) and new sums, fp32
+    return SBUF_RESERVE + staging + rows + h_tiles * block * size + partial
+
+
+def _part_tile_bytes(block, dtype):
+    """SBUF per partition per intermediate tile of a part: its a^T and the down weight's staging (PREFETCH
+    + 1 raw tiles in flight, one transposed)."""
+    size = itemsize(dtype)
+    return block * size + (PREFETCH + 2) * P * size
+
+
+def block_plan(tokens, hidden, inter, dtype):
+    """(tile, block tiles): slots per token tile and token tiles per block, the largest block (up to
+    MAX_BLOCK_TOKENS, in powers of two of tiles) whose x^T leaves room for one intermediate tile in
+    PLAN_SBUF_BYTES. The routing layout depends on it, so it depends on no target."""
+    tile = min(TOKEN_TILE, tokens)
+    most = min(ceil_div(tokens, tile), MAX_BLOCK_TOKENS // tile)
+    block_tiles = most
+    while block_tiles >= 1:
+        block = block_tiles * tile
+        if _fixed_bytes(tile, block, hidden, dtype) + _part_tile_bytes(block, dtype) <= PLAN_SBUF_BYTES:
+            return tile, block_tiles
+        block_tiles //= 2
+    raise ValueError(
+        f"moe_experts: hidden size {hidden} ({dtype_name(dtype)}) does not fit the "
+        f"{PLAN_SBUF_BYTES // 1024} KiB of SBUF per partition the block layout is planned for"
+    )
+
+
+def part_tiles(tile, block, hidden, inter, dtype, sbuf_bytes):
+    """Intermediate tiles per part: as many as the target's SBUF holds beside the fixed buffers."""
+    fit = (sbuf_bytes - _fixed_bytes(tile, block, hidden, dtype)) // _part_tile_bytes(block, dtype)
+    return max(1, min(ceil_div(inter, P), fit))
+
+
+def routing_shape(tokens, top_k, experts, hidden, inter, dtype):
+    """(tile, block, num_blocks): the block layout's sizes. ``num_blocks`` bounds the blocks any
+    routing needs: an expert's n choices take ceil(n / block) blocks, at most (n + block - 1) / block,
+    and the choices of all experts sum to T*k (each block also holds at least one choice)."""
+    tile, block_tiles = block_plan(tokens, hidden, inter, dtype)
+    block = tile * block_tiles
+    choices = tokens * top_k
+    return tile, block, min(choices, (choices + experts * (block - 1)) // block)
+
+
+class _Block(nl.NKIObject):
+    """One used block's buffers and runtime values: its expert and token-tile count (registers),
+    its slots' offset in the slot tables, x^T (then y^T), a^T of the current part."""
+
+    def __init__(self, expert, used_tiles, slot0, x_t, act_t):
+        self.expert, self.used_tiles, self.slot0, self.x_t, self.act_t = expert, used_tiles, slot0, x_t, act_t
+
+
+class _WeightStream(nl.NKIObject):
+    """One block's expert weight tiles in the order the block uses them: (weight, r0, rows, c0, cols) for
+    weight[expert, r0 : r0 + rows, c0 : c0 + cols]. Each tile is read PREFETCH tiles ahead of its use and
+    transposed on TensorE one tile ahead, so TensorE finds its operands loaded and evicted."""
+
+    def __init__(self, experts, expert, specs):
+        self.experts, self.expert, self.specs = experts, expert, specs
+        self.loaded = []
+        self.issued, self.transposed, self.ready = 0, 0, None
+
+    def _read(self):
+        weight, r0, rows, c0, cols = self.specs[self.issued]
+        raw = nl.ndarray((rows, cols), self.experts.dtype, buffer=nl.sbuf)
+        for k0, k in tiles(cols, WEIGHT_ROW_CHUNK):
+            nisa.dma_copy(
+                dst=raw[:, k0 : k0 + k], src=self.experts.weight_rows(weight, self.expert, r0, rows, c0 + k0, k)
+            )
+        self.loaded.append((raw, rows, cols))
+        self.issued += 1
+
+    def _transpose_next(self):
+        while self.issued < len(self.specs) and len(self.loaded) <= PREFETCH:
+            self._read()
+        raw, rows, cols = self.loaded.pop(0)
+        out = nl.ndarray((P, ceil_div(cols, P), rows), self.experts.dtype, buffer=nl.sbuf)
+        _transpose_rows_into(out, raw, rows, cols, self.experts.dtype, self.experts.evictions)
+        self.transposed += 1
+        return out
+
+    def take(self):
+        """The next tile, transposed: SBUF [P, ceil(cols/128), rows]. The tile after it is transposed now,
+        before this one's matmuls, so its PSUM evictions overlap them."""
+        if self.ready is None:
+            self.ready = self._transpose_next()
+        current = self.ready
+        self.ready = self._transpose_next() if self.transposed < len(self.specs) else None
+        return current
+
+
+class _Experts(nl.NKIObject):
+    """What the forward's steps share: inputs, the routing tables, outputs and the plan."""
+
+    def __init__(self, x, w_gate_up, w_down, slot_token, slot_row, slot_weight, rows_out, partial, plan, activation):
+        self.x, self.w_gate_up, self.w_down = x, w_gate_up, w_down
+        self.slot_token, self.slot_row, self.slot_weight = slot_token, slot_row, slot_weight
+        self.rows_out, self.partial, self.activation = rows_out, partial, activation
+        self.tile, self.block, self.part_tiles = plan
+        self.tokens, self.hidden = x.shape
+        self.inter = w_down.shape[2]
+        self.dtype = x.dtype
+        self.evictions = _Evictions()
+
+    def weight_rows(self, weight, expert, r0, rows, c0, cols):
+        """weight[expert, r0 : r0 + rows, c0 : c0 + cols], the expert a register: an access pattern
+        whose start moves by whole experts (``scalar_offset``)."""
+        width = weight.shape[2]
+        return weight.ap(pattern=[[width, rows], [1, cols]], offset=r0 * width + c0, scalar_offset=expert)
+
+    def weight_stream(self, blk, parts):
+        """The block's weight tiles in use order: per part, each intermediate tile's gate and up rows,
+        then each hidden tile's down row segment for the part."""
+        specs = []
+        for part in parts:
+            for i0, isz in part:
+                specs.append((self.w_gate_up, i0, isz, 0, self.hidden))
+                specs.append((self.w_gate_up, self.inter + i0, isz, 0, self.hidden))
+            p0 = part[0][0]
+            p_cols = part[-1][0] + part[-1][1] - p0
+            for h0, hsz in tiles(self.hidden, P):
+                specs.append((self.w_down, h0, hsz, p0, p_cols))
+        return _WeightStream(self, blk.expert, specs)
+
+    def _slot_column(self, table, start, dtype):
+        """table[start : start + tile] as an SBUF [tile, 1] column: one value per partition."""
+        column = nl.ndarray((self.tile, 1), dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=column, src=table[nl.ds(start, self.tile), :])
+        return column
+
+    def gather(self, blk):
+        """x^T of the block's used token tiles: x's rows gathered by slot (padding slots stay zero)."""
+        tile, hidden = self.tile, self.hidden
+        for j in nl.dynamic_range(blk.used_tiles):
+            index = self._slot_column(self.slot_token, blk.slot0 + j * tile, nl.int32)
+            rows = nl.ndarray((tile, hidden), self.dtype, buffer=nl.sbuf)
+            nisa.memset(dst=rows, value=0.0)
+            source = self.x.ap(pattern=[[hidden, tile], [1, hidden]], offset=0, vector_offset=index, indirect_dim=0)
+            nisa.dma_copy(dst=rows, src=source, oob_mode=nisa.oob_mode.skip)
+            _transpose_rows_into(blk.x_t[:, :, nl.ds(j * tile, tile)], rows, tile, hidden, self.dtype, self.evictions)
+
+    def gate_up(self, blk, part, stream):
+        """a^T = act(g^T) * u^T for the part's intermediate tiles, token tile by token tile."""
+        h_tiles = list(tiles(self.hidden, P))
+        tile = self.tile
+        for j_part, (_, isz) in enumerate(part):
+            wg_t = stream.take()
+            wu_t = stream.take()
+            for j in nl.dynamic_range(blk.used_tiles):
+                columns = nl.ds(j * tile, tile)
+                gate = nl.ndarray((isz, tile), nl.float32, buffer=nl.psum)
+                up = nl.ndarray((isz, tile), nl.float32, buffer=nl.psum)
+                for k, (_, hsz) in enumerate(h_tiles):
+                    nisa.nc_matmul(dst=gate, stationary=wg_t[:hsz, k, :isz], moving=blk.x_t[:hsz, k, columns])
+                for k, (_, hsz) in enumerate(h_tiles):
+                    nisa.nc_matmul(dst=up, stationary=wu_t[:hsz, k, :isz], moving=blk.x_t[:hsz, k, columns])
+                activated = nl.ndarray((isz, tile), nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=activated, op=_act_op(self.activation), data=gate)
+                nisa.tensor_tensor(dst=blk.act_t[:isz, j_part, columns], data1=activated, data2=up, op=nl.multiply)
+
+    def down(self, blk, part, stream, first, last):
+        """y^T (+)= Wd[:, part] a^T[part] per hidden tile; the last part leaves y^T (input dtype) in x^T's buffer.
+
+        Partial sums over parts move between parts a whole hidden tile at a time ([128, block] fp32: long
+        rows, full DMA efficiency; columns past the used token tiles carry nothing and are never read as
+        results), and each tile's earlier sums are read before the previous tile's are stored."""
+        tile, block = self.tile, self.block
+        h_tiles = list(tiles(self.hidden, P))
+
+        def read_earlier(h0, hsz):
+            earlier = nl.ndarray((hsz, block), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=earlier, src=self.partial[h0 : h0 + hsz, :])
+            return earlier
+
+        upcoming = None if first else read_earlier(*h_tiles[0])
+        for h, (h0, hsz) in enumerate(h_tiles):
+            wd_t = stream.take()
+            earlier = upcoming
+            if not first and h + 1 < len(h_tiles):
+                upcoming = read_earlier(*h_tiles[h + 1])
+            total = None if last else nl.ndarray((hsz, block), nl.float32, buffer=nl.sbuf)
+            for j in nl.dynamic_range(blk.used_tiles):
+                columns = nl.ds(j * tile, tile)
+                acc = nl.ndarray((hsz, tile), nl.float32, buffer=nl.psum)
+                for j_part, (_, isz) in enumerate(part):
+                    nisa.nc_matmul(
+                        dst=acc, stationary=wd_t[:isz, j_part, :hsz], moving=blk.act_t[:isz, j_part, columns]
+                    )
+                target = blk.x_t[:hsz, h, columns] if last else total[:, columns]
+                if first:
+                    self.evictions.evict(target, acc)
+                else:
+                    nisa.tensor_tensor(dst=target, data1=acc, data2=earlier[:, columns], op=nl.add)
+            if not last:
+                nisa.dma_copy(dst=self.partial[h0 : h0 + hsz, :], src=total)
+
+    def scatter(self, blk):
+        """Each used token tile of y^T back to rows, times its routing weights, to its choices' rows."""
+        tile, hidden, dtype = self.tile, self.hidden, self.dtype
+        h_tiles = list(tiles(hidden, P))
+        group = PSUM_BANK_BYTES // (P * itemsize(dtype))  # 128-column transposed tiles per PSUM bank
+        for j in nl.dynamic_range(blk.used_tiles):
+            start = blk.slot0 + j * tile
+            weight = self._slot_column(self.slot_weight, start, nl.float32)
+            index = self._slot_column(self.slot_row, start, nl.int32)
+            rows = nl.ndarray((tile, hidden), dtype, buffer=nl.sbuf)
+            for g0 in range(0, len(h_tiles), group):
+                members = h_tiles[g0 : g0 + group]
+                bank = nl.ndarray((tile, group * P), dtype, buffer=nl.psum)
+                for m, (_, hsz) in enumerate(members):
+                    nisa.nc_transpose(
+                        dst=bank[:, m * P : m * P + hsz], data=blk.x_t[:hsz, g0 + m, nl.ds(j * tile, tile)]
+                    )
+                c0 = members[0][0]
+                cols = members[-1][0] + members[-1][1] - c0
+                nisa.tensor_scalar(
+                    dst=rows[:, c0 : c0 + cols], data=bank[:, :cols], op0=nl.multiply, operand0=weight[:, 0:1]
+                )
+            target = self.rows_out.ap(
+                pattern=[[hidden, tile], [1, hidden]], offset=0, vector_offset=index, indirect_dim=0
+            )
+            nisa.dma_copy(dst=target, src=rows, oob_mode=nisa.oob_mode.skip)
+
+
+def _combine(rows_out, out, top_k, dtype):
+    """out[t] = the sum of rows_out[t*k : t*k + k], in fp32, rounded once; 128 tokens per step."""
+    tokens, hidden = out.shape
+    per_token = rows_out.reshape((tokens, top_k * hidden))
+    for t0, tsz in tiles(tokens, P):
+        result = nl.ndarray((tsz, hidden), dtype, buffer=nl.sbuf)
+        first = nl.ndarray((tsz, hidden), dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=first, src=per_token[t0 : t0 + tsz, :hidden])
+        if top_k == 1:
+            nisa.tensor_copy(dst=result, src=first)
+        total = first
+        for c in range(1, top_k):
+            row = nl.ndarray((tsz, hidden), dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=row, src=per_token[t0 : t0 + tsz, c * hidden : (c + 1) * hidden])
+            target = result if c == top_k - 1 else nl.ndarray((tsz, hidden), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=target, data1=total, data2=row, op=nl.add)
+            total = target
+        nisa.dma_copy(dst=out[t0 : t0 + tsz, :], src=result)
+
+
+@nki.jit
+def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight, top_k, activation):
+    """Grouped MoE experts forward: every block of routed tokens through its expert's gated MLP,
+    weighted by the routing weights and summed per token.
+
+    Args:
+        x: [T, H] the tokens (each token's row once; the slots index it).
+        w_gate_up: [E, 2I, H] each expert's gate rows, then its up rows. w_down: [E, H, I].
+        block_info: int32 [NB, 3] per block slot (expert, used token tiles, used 0/1).
+        slot_token: int32 [NB * block, 1] the token of each slot (T for padding).
+        slot_row: int32 [NB * block, 1] the choice t*k + j of each slot (T*k for padding).
+        slot_weight: float32 [NB * block, 1] the routing weight of each slot (0 for padding).
+        top_k: k, choices per token. activation: "silu" or "gelu_tanh".
+        (tile, block, NB) are :func:`routing_shape`'s.
+
+    IO shapes:
+        returns out [T, H] in x's dtype.
+
+    Tiling plan: the module docstring's; per used block (a static loop over NB, each body a dynamic
+    loop of zero or one trip), gather, then per part gate_up and down, then scatter; finally the
+    per-token sum of the k weighted rows.
+
+    Engine plan
+        TensorE: x and weight transposes, the projections, y's transposes back. ScalarE: the
+        activation and half the evictions. VectorE: gate*up, partial sums, the weighted evictions,
+        the k-way sum, half the evictions. DMA: gathers/scatters (indirect), weight rows, partials.
+    """
+    dtype = x.dtype
+    check_shapes(x.shape, w_gate_up.shape, w_down.shape, activation, [dtype, w_gate_up.dtype, w_down.dtype])
+    tokens, hidden = x.shape
+    experts, _, inter = w_down.shape
+    tile, block, num_blocks = routing_shape(tokens, top_k, experts, hidden, inter, dtype)
+    expected = {
+        "block_info": (block_info, (num_blocks, BLOCK_FIELDS)),
+        "slot_token": (slot_token, (num_blocks * block, 1)),
+        "slot_row": (slot_row, (num_blocks * block, 1)),
+        "slot_weight": (slot_weight, (num_blocks * block, 1)),
+    }
+    for name, (table, shape) in expected.items():
+        if tuple(table.shape) != shape:
+            raise ValueError(
+                f"moe_experts: {name} of shape {tuple(table.shape)} is not {shape} (the block layout of "
+                f"{tokens} tokens, top-{top_k}, {experts} experts: routing_shape)"
+            )
+    n_part = part_tiles(tile, block, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
+    i_tiles = list(tiles(inter, P))
+    parts = [i_tiles[k : k + n_part] for k in range(0, len(i_tiles), n_part)]
+    out = nl.ndarray((tokens, hidden), dtype, buffer=nl.shared_hbm)
+    rows_out = nl.ndarray((tokens * top_k, hidden), dtype, buffer=nl.hbm)
+    partial = nl.ndarray((hidden, block), nl.float32, buffer=nl.hbm) if len(parts) > 1 else None
+    experts_run = _Experts(
+        x, w_gate_up, w_down, slot_token, slot_row, slot_weight, rows_out, partial, (tile, block, n_part), activation
+    )
+    x_t = nl.ndarray((P, ceil_div(hidden, P), block), dtype, buffer=nl.sbuf)
+    act_t = nl.ndarray((P, n_part, block), dtype, buffer=nl.sbuf)
+    info = nl.ndarray((1, BLOCK_FIELDS), nl.int32, buffer=nl.sbuf)
+    for b in range(num_blocks):
+        nisa.dma_copy(dst=info, src=block_info[b : b + 1, :])
+        expert, used_tiles, used = nisa.register_alloc(), nisa.register_alloc(), nisa.register_alloc()
+        nisa.register_load(expert, info[0:1, 0:1])
+        nisa.register_load(used_tiles, info[0:1, 1:2])
+        nisa.register_load(used, info[0:1, 2:3])
+        for _ in nl.dynamic_range(used):
+            blk = _Block(expert, used_tiles, b * block, x_t, act_t)
+            stream = experts_run.weight_stream(blk, parts)
+            experts_run.gather(blk)
+            for n, part in enumerate(parts):
+                experts_run.gate_up(blk, part, stream)
+                experts_run.down(blk, part, stream, first=n == 0, last=n == len(parts) - 1)
+            experts_run.scatter(blk)
+    _combine(rows_out, out, top_k, dtype)
+    return out

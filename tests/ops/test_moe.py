@@ -1,0 +1,264 @@
+"""MoE experts op: numerics against transformers' MixtralExperts math (fp32 tight, bf16 against torch's own
+bf16 error), ragged groups (an expert with no token, one with a single token, groups over several
+blocks and token tiles), sizes off multiples of 128, gradients (non-zero, then compared), the block
+layout, the kernel's multi-part path and skipped experts, the torch.library contract, torch.compile,
+and bad input."""
+
+import pytest
+import torch
+
+from kernels_neuron import sim
+from kernels_neuron.ops import moe as moe_op
+from kernels_neuron.ops.moe import moe_bwd, moe_experts, moe_experts_reference, moe_fwd, routing_layout
+from nki_src import moe as moe_kernels
+
+ACTIVATIONS = ["silu", "gelu_tanh"]
+# (tokens, hidden, intermediate, experts, top_k): one token; sizes off multiples of 128 with ragged
+# token tiles; a token count above one block (1024 slots) so an expert's group spans two blocks;
+# top-1; a top-4 combine.
+SHAPES = [(1, 64, 96, 4, 2), (37, 200, 150, 5, 2), (300, 130, 260, 3, 2), (1100, 72, 136, 2, 1), (50, 96, 80, 8, 4)]
+
+
+def _routing(tokens, experts, top_k, gen, empty=None, single=None):
+    """Softmax top-k routing; ``empty``: an expert no token picks; ``single``: one only token 0 picks."""
+    logits = torch.randn(tokens, experts, generator=gen)
+    if empty is not None:
+        logits[:, empty] = -1e4
+    if single is not None:
+        logits[:, single] = -1e4
+        logits[0, single] = 1e4
+    weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    return index, weights / weights.sum(-1, keepdim=True)
+
+
+def _inputs(shape, dtype, seed=0):
+    tokens, hidden, inter, experts, top_k = shape
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w_down = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    ragged = experts > top_k + 1  # room for an empty expert and a single-token one
+    index, weights = _routing(tokens, experts, top_k, gen, *((experts - 1, experts - 2) if ragged else ()))
+    return x.to(dtype), index, weights, w_gate_up.to(dtype), w_down.to(dtype)
+
+
+def _fp32(args):
+    return [a.float() if a.is_floating_point() else a for a in args]
+
+
+def _launches(traces, name):
+    return sum(t.kernel == name for t in traces)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fp32_matches_reference_tightly(shape, activation):
+    args = _inputs(shape, torch.float32)
+    with sim.capture() as traces:
+        out = moe_experts(*args, activation)
+    assert _launches(traces, "moe_fwd") == 1 and out.shape == args[0].shape
+    torch.testing.assert_close(out, moe_experts_reference(*args, activation), rtol=1e-5, atol=1e-5)
+
+
+def test_the_ragged_routing_has_an_empty_and_a_single_token_expert():
+    """The shapes above do exercise the ragged cases they claim to (a negative control for the routing)."""
+    _, index, _, _, _ = _inputs(SHAPES[1], torch.float32)
+    counts = torch.bincount(index.reshape(-1), minlength=5)
+    assert counts[4] == 0 and counts[3] == 1 and counts.sum() == 37 * 2
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+def test_bf16_error_is_within_twice_torchs_own_bf16_error(shape, activation):
+    args = _inputs(shape, torch.bfloat16)
+    exact = moe_experts_reference(*_fp32(args), activation)
+    torch_error = (moe_experts_reference(*args, activation).float() - exact).abs().max()
+    kernel_error = (moe_experts(*args, activation).float() - exact).abs().max()
+    assert 0 < kernel_error <= 2 * torch_error, (kernel_error, torch_error)
+
+
+def test_fp16_matches_the_fp32_reference():
+    args = _inputs((40, 96, 160, 4, 2), torch.float16)
+    exact = moe_experts_reference(*_fp32(args), "silu")
+    torch_error = (moe_experts_reference(*args, "silu").float() - exact).abs().max()
+    assert (moe_experts(*args, "silu").float() - exact).abs().max() <= 2 * torch_error
+
+
+def _grads(fn, args, activation, grad_out):
+    x, index, weights, w_gate_up, w_down = args
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights, w_gate_up, w_down)]
+    out = fn(leaves[0], index, leaves[1], leaves[2], leaves[3], activation)
+    out.backward(grad_out.to(out.dtype))
+    return [leaf.grad for leaf in leaves]
+
+
+GRAD_NAMES = ("dx", "d_weights", "d_gate_up", "d_down")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], (300, 130, 260, 3, 2)], ids=str)
+def test_fp32_gradients_match_autograd_of_the_reference(shape, activation):
+    args = _inputs(shape, torch.float32, seed=1)
+    grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(2))
+    with sim.capture() as traces:
+        got = _grads(moe_experts, args, activation, grad_out)
+    used = int((torch.bincount(args[1].reshape(-1), minlength=shape[3]) > 0).sum())
+    assert _launches(traces, "moe_fwd") == 1 and _launches(traces, "mlp_bwd") == used
+    want = _grads(moe_experts_reference, args, activation, grad_out)
+    for name, g, w in zip(GRAD_NAMES, got, want):
+        assert g.shape == w.shape and g.dtype == torch.float32, name
+        assert w.abs().max() > 0, name  # a vacuous comparison would pass any tolerance
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * w.abs().max(), msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_an_expert_without_tokens_gets_a_zero_weight_gradient():
+    args = _inputs(SHAPES[1], torch.float32, seed=1)
+    _, _, d_gate_up, d_down = _grads(moe_experts, args, "silu", torch.randn(args[0].shape))
+    assert d_gate_up[4].abs().max() == 0 and d_down[4].abs().max() == 0
+    assert d_gate_up[3].abs().max() > 0 and d_down[3].abs().max() > 0  # the single-token expert learns
+
+
+def test_bf16_gradients_are_within_three_times_torchs_own_bf16_error():
+    args = _inputs(SHAPES[1], torch.bfloat16, seed=1)
+    grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(2))
+    got = _grads(moe_experts, args, "silu", grad_out)
+    exact = _grads(moe_experts_reference, _fp32(args), "silu", grad_out)
+    eager = _grads(moe_experts_reference, args, "silu", grad_out)
+    for name, g, e, t in zip(GRAD_NAMES, got, exact, eager):
+        assert g.dtype == t.dtype, name
+        kernel_error, torch_error = (g.float() - e).abs().max(), (t.float() - e).abs().max()
+        assert 0 < kernel_error <= 3 * torch_error, (name, kernel_error, torch_error)
+
+
+def test_routing_layout_places_every_choice_once_in_its_experts_blocks():
+    tokens, experts, top_k = 300, 3, 2
+    index, weights = _routing(tokens, experts, top_k, torch.Generator().manual_seed(5))
+    layout = routing_layout(index, weights, experts, 130, 260, torch.float32)
+    tile, block, num_blocks = moe_kernels.routing_shape(tokens, top_k, experts, 130, 260, "float32")
+    assert layout.block_info.shape == (num_blocks, 3) and layout.slot_token.shape == (num_blocks * block, 1)
+    rows = layout.slot_row[:, 0]
+    used = rows < tokens * top_k
+    assert sorted(rows[used].tolist()) == list(range(tokens * top_k))  # every choice once
+    slot_expert = layout.block_info[:, 0].repeat_interleave(block)
+    assert torch.equal(slot_expert[used].long(), index.reshape(-1)[rows[used].long()])
+    assert torch.equal(layout.slot_token[used, 0].long(), rows[used].long() // top_k)
+    assert torch.equal(layout.slot_weight[used, 0], weights.reshape(-1)[rows[used].long()])
+    assert torch.all(layout.slot_token[~used] == tokens) and torch.all(layout.slot_weight[~used] == 0)
+    # used tiles cover exactly the block's choices, rounded up to whole token tiles
+    for b, (_, tiles_used, flag) in enumerate(layout.block_info.tolist()):
+        in_block = int(used[b * block : (b + 1) * block].sum())
+        assert flag == (in_block > 0) and tiles_used == -(-in_block // tile)
+
+
+def test_unused_experts_read_none_of_their_weights():
+    """An expert no token picks costs no weight read: decode touches only the routed experts."""
+    tokens, hidden, inter, experts, top_k = 3, 128, 256, 8, 1
+    x, _, _, w_gate_up, w_down = _inputs((tokens, hidden, inter, experts, top_k), torch.bfloat16)
+    index, weights = torch.tensor([[2], [2], [5]]), torch.ones(tokens, 1)
+    with sim.capture() as traces:
+        out = moe_experts(x, index, weights, w_gate_up, w_down)
+    (trace,) = traces
+    weight_bytes = 2 * 3 * hidden * inter  # one expert's three projections, bf16
+    assert 2 * weight_bytes <= trace.hbm_bytes < 2 * weight_bytes + 64 * 1024
+    args = (x, index, weights, w_gate_up, w_down)
+    exact = moe_experts_reference(*_fp32(args))
+    torch_error = (moe_experts_reference(*args).float() - exact).abs().max()
+    assert (out.float() - exact).abs().max() <= 2 * torch_error
+
+
+def test_multi_part_forward(monkeypatch):
+    """Parts of the intermediate with fp32 partial sums in HBM (one part per intermediate tile)."""
+    monkeypatch.setattr(moe_kernels, "part_tiles", lambda *args: 1)
+    args = _inputs((140, 96, 300, 4, 2), torch.float32)
+    torch.testing.assert_close(moe_experts(*args, "silu"), moe_experts_reference(*args, "silu"), rtol=1e-5, atol=1e-5)
+
+
+def test_a_masked_choice_adds_nothing():
+    """transformers' expert-parallel marker (index == E) is skipped by the module; the op skips it too."""
+    x, index, weights, w_gate_up, w_down = _inputs((20, 64, 96, 4, 2), torch.float32)
+    index[3, 1] = 4
+    out = moe_experts(x, index, weights, w_gate_up, w_down)
+    torch.testing.assert_close(out, moe_experts_reference(x, index, weights, w_gate_up, w_down), rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck_passes():
+    x, index, weights, w_gate_up, w_down = _inputs((20, 64, 96, 4, 2), torch.float32)
+    torch.library.opcheck(moe_fwd, (x, index, weights, w_gate_up, w_down, "silu"))
+    leaves = [t.clone().requires_grad_() for t in (x, weights, w_gate_up, w_down)]
+    torch.library.opcheck(moe_fwd, (leaves[0], index, leaves[1], leaves[2], leaves[3], "gelu_tanh"))
+    torch.library.opcheck(moe_bwd, (torch.randn_like(x), x, index, weights, w_gate_up, w_down, "silu"))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    args = _inputs((24, 128, 96, 4, 2), torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: moe_experts(*a, "silu") * 2, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(*args), 2 * moe_experts_reference(*args, "silu"), rtol=1e-5, atol=1e-5)
+    x, index, weights, w_gate_up, w_down = args
+    leaves = [t.clone().requires_grad_() for t in (x, weights, w_gate_up, w_down)]
+    loss = torch.compile(
+        lambda x, w, gu, d: moe_experts(x, index, w, gu, d, "silu").square().sum(), fullgraph=True, backend="aot_eager"
+    )
+    with sim.capture() as traces:
+        loss(*leaves).backward()
+    assert _launches(traces, "moe_fwd") == 1
+    ref = [t.clone().requires_grad_() for t in (x, weights, w_gate_up, w_down)]
+    moe_experts_reference(ref[0], index, ref[1], ref[2], ref[3], "silu").square().sum().backward()
+    for got, want in zip(leaves, ref):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+
+
+def test_autocast_computes_in_the_autocast_dtype_as_the_modules_linears_do():
+    args = _inputs((30, 64, 96, 4, 2), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe_experts(*args, "silu")
+        want = moe_experts_reference(*args, "silu")
+    assert out.dtype == torch.bfloat16
+    exact = moe_experts_reference(*args, "silu")
+    assert (out.float() - exact).abs().max() <= 2 * (want.float() - exact).abs().max()
+
+
+def _bad(**changes):
+    x, index, weights, w_gate_up, w_down = _inputs((6, 64, 96, 4, 2), torch.float32)
+    args = dict(x=x, top_k_index=index, top_k_weights=weights, w_gate_up=w_gate_up, w_down=w_down, activation="silu")
+    args.update({k: (v(args[k]) if callable(v) else v) for k, v in changes.items()})
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        ({"activation": "relu"}, ValueError, "activation 'relu' is not one of"),
+        ({"x": lambda x: x[None]}, ValueError, r"x must be \[tokens >= 1, hidden\]"),
+        ({"top_k_index": lambda i: i[:3]}, ValueError, r"top_k_index of shape \(3, 2\) is not \[6, k >= 1\]"),
+        ({"top_k_index": lambda i: i.float()}, TypeError, "top_k_index has dtype torch.float32"),
+        ({"top_k_weights": lambda w: w[:, :1]}, ValueError, "top_k_weights of shape"),
+        (
+            {"w_down": lambda w: w[:, :32].contiguous()},
+            ValueError,
+            "down weight of shape .* does not match hidden size 64",
+        ),
+        ({"w_gate_up": lambda w: w[:, :100].contiguous()}, ValueError, r"gate_up weight of shape \(4, 100, 64\)"),
+        ({"w_down": lambda w: w.double()}, TypeError, "down weight has dtype torch.float64"),
+        ({"w_down": lambda w: w.bfloat16()}, TypeError, "x and the weights must share one dtype"),
+        ({"w_down": lambda w: w.transpose(1, 2).contiguous().transpose(1, 2)}, ValueError, "not contiguous"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(changes, error, match):
+    with pytest.raises(error, match=match):
+        moe_experts(**_bad(**changes))
+
+
+def test_sizes_past_the_limits_get_a_clear_error():
+    with pytest.raises(ValueError, match="hidden size 4160 is outside the supported range 1..4096 for float32"):
+        moe_op.validate(
+            torch.empty(2, 4160),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, 1),
+            torch.empty(1, 2, 4160),
+            torch.empty(1, 4160, 1),
+            "silu",
+        )
+    with pytest.raises(ValueError, match="intermediate size 65537 is outside the supported range 1..65536"):
+        moe_kernels.check_shapes((2, 8), (1, 2 * 65537, 8), (1, 8, 65537), "silu")
