@@ -1,6 +1,7 @@
 """Every kernel together on the architectures beyond the Llama family: ``kernelize(model, device="neuron")``
-on tiny Cohere, Starcoder2, GPT-NeoX, Falcon, GPT-2 and Phi models swaps every norm, MLP and attention
-module (Falcon's attention through its own layer, the others through transformers' attention interface),
+on tiny Cohere, Starcoder2, GPT-NeoX, Falcon, GPT-2, Phi, Mixtral, Qwen3-MoE and DeepSeek-V3 models swaps
+every norm, MLP, experts and attention module (Falcon's attention through its own layer, the others
+through transformers' attention interface),
 and the model computes what it computed: fp32 logits, greedy generation and
 training gradients match the un-kernelized model, bf16 logits stay within torch's own bf16 error. Both
 head sizes the configs meet: 64, and the 16 of checkpoint-style tiny test models.
@@ -12,7 +13,7 @@ import copy
 import pytest
 import torch
 import transformers
-from tiny_models import assert_gradients_match, assert_logits_match, bf16_errors, input_ids
+from tiny_models import assert_gradients_match, assert_logits_match, bf16_errors, build_moe, input_ids
 from torch import nn
 
 import kernels_neuron
@@ -28,7 +29,14 @@ ARCHS = {
 }
 
 
+# MoE models (tests/models/tiny_models.py's configs): their experts, dense MLPs, norms and attention.
+MOE_ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
 def _build(arch: str, head_dim: int = 64, seed: int = 0) -> nn.Module:
+    if arch in MOE_ARCHS:  # DeepSeek-V3's attention sizes come from its own head dims (MLA)
+        sizes = {} if arch == "deepseek_v3" else {"hidden_size": 4 * head_dim, "head_dim": head_dim}
+        return build_moe(arch, seed, **sizes)
     model_class, config_class, extra = ARCHS[arch]
     hidden = 4 * head_dim
     sizes = {"n_embd": hidden, "n_head": 4, "n_layer": 2, "n_inner": 2 * hidden} if arch == "gpt2" else {}
@@ -58,19 +66,23 @@ def _candidates(model: nn.Module) -> dict[str, str]:
         name = type(module).__name__
         if name.endswith(("LayerNorm", "RMSNorm")):
             kinds[path] = "norm"
-        elif name.endswith("MLP"):
+        elif name.endswith(("MLP", "Experts")):
             kinds[path] = "mlp"
         elif name.endswith("Attention"):
             kinds[path] = "attention"
     return kinds
 
 
-@pytest.fixture(params=list(ARCHS))
+@pytest.fixture(params=[*ARCHS, *MOE_ARCHS])
 def arch(request):
     return request.param
 
 
-@pytest.mark.parametrize("head_dim", [64, 16])
+# Both head sizes for every architecture but DeepSeek-V3, whose attention sizes are its MLA dims.
+SIZED = [(arch, d) for arch in [*ARCHS, *MOE_ARCHS] for d in (64, 16) if not (arch == "deepseek_v3" and d != 64)]
+
+
+@pytest.mark.parametrize("arch, head_dim", SIZED)
 def test_every_candidate_is_swapped_and_logits_and_generation_match(arch, head_dim):
     model = _build(arch, head_dim)
     reference = copy.deepcopy(model)

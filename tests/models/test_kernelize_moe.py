@@ -10,7 +10,16 @@ import sys
 import pytest
 import torch
 import transformers
-from tiny_models import BASE, assert_gradients_match, assert_logits_match, build_tiny, forward_of, input_ids, logits
+from tiny_models import (
+    BASE,
+    MOE_CONFIGS,
+    assert_gradients_match,
+    assert_logits_match,
+    build_moe,
+    forward_of,
+    input_ids,
+    logits,
+)
 from torch import nn
 
 import kernels_neuron
@@ -20,59 +29,7 @@ MOE_REPO = "kernels-neuron/neuron-moe"
 MOE_PACKAGE = "_neuron_moe_"  # the builder's module ids: _neuron_moe_<backend>_<hash>
 LAYERS = 2
 
-# Tiny MoE configs (nothing downloaded): 4 experts of intermediate 192 (off a multiple of 128), top-2.
-_MOE = {
-    "qwen3_moe": (
-        "Qwen3MoeForCausalLM",
-        "Qwen3MoeConfig",
-        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 192, "norm_topk_prob": True},
-    ),
-    "deepseek_v3": (
-        "DeepseekV3ForCausalLM",
-        "DeepseekV3Config",
-        {
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 192,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 0,
-            "n_group": 1,
-            "topk_group": 1,
-            "q_lora_rank": 64,
-            "kv_lora_rank": 32,
-            "qk_rope_head_dim": 32,
-            "qk_nope_head_dim": 32,
-            "v_head_dim": 64,
-        },
-    ),
-    "olmoe": (
-        "OlmoeForCausalLM",
-        "OlmoeConfig",
-        {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 192},
-    ),
-}
-ARCHS = ["mixtral", *_MOE]
-
-
-def build_moe(arch: str, seed: int = 0) -> nn.Module:
-    """A tiny model of ``arch`` in eval mode, fp32, with random (not zero) router biases where it has them."""
-    if arch == "mixtral":
-        return build_tiny("mixtral", seed, intermediate_size=192)
-    model_cls, config_cls, extra = _MOE[arch]
-    torch.manual_seed(seed)
-    kwargs = {**BASE, **extra}
-    if arch == "deepseek_v3":
-        kwargs.pop("head_dim")
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
-    with torch.no_grad():
-        for module in model.modules():
-            bias = getattr(module, "e_score_correction_bias", None)
-            if bias is not None:
-                bias.normal_(0, 0.1)
-            weight = getattr(module, "weight", None)
-            if type(module).__name__.endswith("TopkRouter") and weight is not None:
-                weight.normal_(0, 0.5)  # DeepSeek's router starts at zero: every token would tie
-    return model
+ARCHS = ["mixtral", *MOE_CONFIGS]
 
 
 def _kernelize(model, **kwargs):

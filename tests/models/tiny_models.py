@@ -144,3 +144,57 @@ def assert_gradients_match(kernelized: nn.Module, reference: nn.Module) -> None:
         assert name == ref_name
         assert p.grad is not None and q.grad is not None, f"{name} got no gradient"
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# Tiny MoE configs (nothing downloaded): 4 experts of intermediate 192 (off a multiple of 128), top-2.
+MOE_CONFIGS = {
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 192, "norm_topk_prob": True},
+    ),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 192,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 0,
+            "n_group": 1,
+            "topk_group": 1,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 32,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 64,
+        },
+    ),
+    "olmoe": (
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 192},
+    ),
+}
+
+
+def build_moe(arch: str, seed: int = 0, **overrides) -> nn.Module:
+    """A tiny model of ``arch`` in eval mode, fp32, with random (not zero) router biases where it has them."""
+    if arch == "mixtral":
+        return build_tiny("mixtral", seed, **{"intermediate_size": 192, **overrides})
+    model_cls, config_cls, extra = MOE_CONFIGS[arch]
+    torch.manual_seed(seed)
+    kwargs = {**BASE, **extra, **overrides}
+    if arch == "deepseek_v3":
+        kwargs.pop("head_dim")
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.normal_(0, 0.1)
+            weight = getattr(module, "weight", None)
+            if type(module).__name__.endswith("TopkRouter") and weight is not None:
+                weight.normal_(0, 0.5)  # DeepSeek's router starts at zero: every token would tie
+    return model
