@@ -87,7 +87,9 @@ def plot_roofline(records: Sequence[Record], path: str | Path) -> None:
     hw = hardware(records[0].target)
     peak_tflops = hw.tensor_peak_flops / 1e12
     bandwidth = hw.hbm_bytes_per_s
-    fig, (roof, share) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    # Tall enough for one readable bar label per case; the points are numbered, the bars name them.
+    height = max(5.5, 0.2 * len(records) + 1.5)
+    fig, (roof, share) = plt.subplots(1, 2, figsize=(14, height), gridspec_kw={"width_ratios": [3, 2]})
     intensity = np.logspace(-1, 4, 200)
     roof.loglog(
         intensity,
@@ -102,14 +104,9 @@ def plot_roofline(records: Sequence[Record], path: str | Path) -> None:
     markers = "osD^vP*Xh<>p"
     for i, r in enumerate(records):
         if r.flops and r.hbm_bytes:
-            roof.scatter(
-                [r.flops / r.hbm_bytes],
-                [r.tflops],
-                s=55,
-                zorder=3,
-                marker=markers[i % len(markers)],
-                label=f"{i + 1}. {r.name}",
-            )
+            point = (r.flops / r.hbm_bytes, r.tflops)
+            roof.scatter([point[0]], [point[1]], s=40, zorder=3, marker=markers[i % len(markers)])
+            roof.annotate(str(i + 1), point, xytext=(3, 3), textcoords="offset points", fontsize=7)
     roof.set_xlabel("arithmetic intensity (FLOP per HBM byte)")
     roof.set_ylabel("TFLOPS (modelled)")
     roof.set_title(f"Roofline, {hw.name} — modelled, not measured")
