@@ -451,3 +451,44 @@ def test_a_compiled_model_with_plain_mlps_runs_the_kernel_without_graph_breaks()
     assert _launches(traces, "plain_mlp_fwd") == LAYERS
     torch.testing.assert_close(out, logits(reference, ids), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["gated", "plain"])
+def test_a_hook_on_the_activation_module_keeps_the_modules_forward_so_it_fires(kind):
+    """Interpretability tools hook ``mlp.act``: the fused kernel would skip the hook."""
+    mlp = (
+        _gpt_neox_mlp()
+        if kind == "plain"
+        else transformers.models.llama.modeling_llama.LlamaMLP(
+            transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4)
+        )
+    )
+    attribute = "act" if kind == "plain" else "act_fn"
+    seen = []
+    getattr(mlp, attribute).register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    _kernelize(mlp)
+    (row,) = mlp.kernels_neuron_report.rows
+    assert row.status == "fallback" and f".{attribute} has hooks" in row.reason, row.reason
+    mlp(torch.randn(2, 3, 64))
+    assert seen == [torch.Size([2, 3, 160])]
+
+
+def test_falcons_uncast_bias_under_autocast_falls_back_so_the_dtype_stays_the_modules():
+    """FalconLinear adds its fp32 bias after the bf16 matmul: the module's output is fp32 under
+    autocast; the layer runs the module's forward for such a call instead of returning bf16."""
+    config = transformers.FalconConfig(hidden_size=64, num_attention_heads=4, bias=True)
+    torch.manual_seed(0)
+    mlp = transformers.models.falcon.modeling_falcon.FalconMLP(config)
+    reference = copy.deepcopy(mlp)
+    _kernelize(mlp)
+    assert [row.status for row in mlp.kernels_neuron_report] == ["swapped"]
+    x = torch.randn(2, 3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match="adds its bias uncast"):
+        got = mlp(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = reference(x)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    with sim.capture() as traces:  # without autocast the kernel serves it
+        torch.testing.assert_close(mlp(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert _launches(traces, "plain_mlp_fwd") == 1

@@ -272,6 +272,15 @@ def test_permute_matches_numpy(data, shape):
     np.testing.assert_array_equal(through_view(x, lambda t: t.permute(on_chip), "sbuf"), x.transpose(on_chip))
 
 
+def test_permute_takes_one_sequence_as_nki_documents():
+    """nki/api/nki/language: ``NkiTensor.permute(self, dims: tuple[int, ...])``; torch's variadic form
+    would not trace on the device's compiler."""
+    x = arange((4, 6))
+    np.testing.assert_array_equal(through_view(x, lambda t: t.permute(dims=[1, 0])), x.T)
+    with pytest.raises(TypeError, match=r"pass the dims as one tuple"):
+        through_view(x, lambda t: t.permute(1, 0))
+
+
 # -- broadcasting and unit dims -----------------------------------------------------------------
 @PROPERTY
 @given(data=st.data(), shape=shapes(2, 4, max_side=4))

@@ -160,13 +160,13 @@ class PlainMLPForm(NamedTuple):
     dropout_rate: str | None = None
 
 
-PLAIN_ACTIVATIONS = ("act", "act_fn", "activation_fn")
+PLAIN_ACTIVATION_ATTRIBUTES = ("act", "act_fn", "activation_fn")
 
 
 @functools.cache
 def plain_mlp_form(cls: type) -> PlainMLPForm | None:
     """The ``PlainMLPForm`` when ``cls.forward(self, x)`` returns exactly ``down(act(up(x)))`` with
-    ``act`` one of ``PLAIN_ACTIVATIONS`` (Starcoder2, GPT-NeoX, Falcon, GPT-2, Phi), optionally followed
+    ``act`` one of ``PLAIN_ACTIVATION_ATTRIBUTES`` (Starcoder2, GPT-NeoX, Falcon, GPT-2, Phi), optionally followed
     by a dropout (a module attribute, or ``nn.functional.dropout(., p=self.<rate>,
     training=self.training)``); None otherwise."""
     result = _returned(cls)
@@ -178,7 +178,7 @@ def plain_mlp_form(cls: type) -> PlainMLPForm | None:
     if not (isinstance(result, tuple) and result[0] == "call"):
         return None
     down, activated = result[1], result[2]
-    if not (isinstance(activated, tuple) and activated[0] == "call" and activated[1] in PLAIN_ACTIVATIONS):
+    if not (isinstance(activated, tuple) and activated[0] == "call" and activated[1] in PLAIN_ACTIVATION_ATTRIBUTES):
         return None
     projected = activated[2]
     if not (isinstance(projected, tuple) and projected[0] == "call" and projected[2] == ("x",)):

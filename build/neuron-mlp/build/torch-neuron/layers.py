@@ -112,6 +112,16 @@ def _hooks(module: nn.Module) -> list[str]:
     return found
 
 
+def _activation_hooks(name: str, attribute: str, act: object) -> list[str]:
+    """Hooks on an activation module (interpretability tools read ``mlp.act``), which the fused kernel would
+    skip. A replaced forward is no reason: transformers tags its activation classes for Hub kernels, so
+    kernelize may give them one computing the same function."""
+    hooks = isinstance(act, nn.Module) and any(
+        (act._forward_pre_hooks, act._forward_hooks, act._backward_pre_hooks, act._backward_hooks)
+    )
+    return [f"{name}.{attribute} has hooks, which the fused kernel would bypass"] if hooks else []
+
+
 def _plain_linear(linear: nn.Module, what: str) -> Projection | str:
     if type(linear) is not nn.Linear:
         return f"{what} is {type(linear).__name__}, not a plain nn.Linear"
@@ -270,6 +280,8 @@ def _resolve(layer: str, module: nn.Module, x: torch.Tensor | None, structure: b
         reasons.append(f"{name} has no activation ({' or '.join(_ACTIVATIONS)})")
     elif kind is None:
         reasons.append(f"{name}.{present[0]}: {describe_activation(getattr(module, present[0]))}")
+    else:
+        reasons += _activation_hooks(name, present[0], getattr(module, present[0]))
     if reasons or kind is None:
         return reasons
     gate, up, down = _PROJECTIONS[layer]
@@ -371,11 +383,13 @@ def _forward(layer: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class _PlainProjection(NamedTuple):
     """A plain MLP's projection as the kernel takes it: the weight [out, in] (a Conv1D's stored [in, out],
-    ``transposed``) and the bias or None."""
+    ``transposed``) and the bias or None; ``uncast_bias``: the module adds its bias without autocast's
+    cast (FalconLinear's ``x @ W.T + bias``)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     transposed: bool = False
+    uncast_bias: bool = False
 
     def kernel_weight(self) -> torch.Tensor:
         return self.weight.t().contiguous() if self.transposed else self.weight
@@ -400,8 +414,10 @@ def _plain_projection(module: nn.Module, attribute: str) -> _PlainProjection | s
     hooks = _hooks(linear)
     if hooks:
         return f"{what} has {' and '.join(hooks)}, which the fused kernel would bypass"
-    if type(linear) is nn.Linear or _is_class(linear, "transformers.models.falcon.modeling_falcon", "FalconLinear"):
+    if type(linear) is nn.Linear:
         return _PlainProjection(linear.weight, linear.bias)
+    if _is_class(linear, "transformers.models.falcon.modeling_falcon", "FalconLinear"):
+        return _PlainProjection(linear.weight, linear.bias, uncast_bias=True)
     if _is_class(linear, "transformers.pytorch_utils", "Conv1D"):
         return _PlainProjection(linear.weight, linear.bias, transposed=True)
     return f"{what} is {type(linear).__name__}, not nn.Linear, FalconLinear or Conv1D"
@@ -445,6 +461,8 @@ def _resolve_plain(module: nn.Module, x: torch.Tensor | None) -> _PlainPlan | li
     kind = activation_kind(act, PLAIN_ACTIVATIONS)
     if kind is None:
         reasons.append(f"{name}.{form.activation}: {describe_activation(act, PLAIN_ACTIVATIONS)}")
+    else:
+        reasons += _activation_hooks(name, form.activation, act)
     if reasons or kind is None:
         return reasons
     up, down = found
@@ -455,10 +473,16 @@ def _resolve_plain(module: nn.Module, x: torch.Tensor | None) -> _PlainPlan | li
     copied = frozenset(a for a, p in zip(weights, found) if p.transposed)
     reasons = _limits(name, kernel_layout, x, copied)
     for attribute, projection in ((form.up, up), (form.down, down)):
-        if projection.bias is not None and projection.bias.dtype != up.weight.dtype:
-            reasons.append(f"{name}.{attribute}.bias has dtype {projection.bias.dtype}, its weight {up.weight.dtype}")
-        if projection.bias is not None and not projection.bias.is_contiguous():
+        bias = projection.bias
+        if bias is not None and bias.dtype != projection.weight.dtype:
+            reasons.append(f"{name}.{attribute}.bias has dtype {bias.dtype}, its weight {projection.weight.dtype}")
+        if bias is not None and not bias.is_contiguous():
             reasons.append(f"{name}.{attribute}.bias is not contiguous")
+        if bias is not None and x is not None and autocast_dtype(x) is not None and projection.uncast_bias:
+            reasons.append(
+                f"{name}.{attribute} is a FalconLinear, which adds its bias uncast under autocast (its output "
+                "takes the bias's dtype); the kernel computes in the autocast dtype"
+            )
     return reasons or _PlainPlan(form, up, down, kind)
 
 

@@ -322,10 +322,15 @@ class Tensor:
         """The same as :meth:`view`."""
         return self.view(dtype)
 
-    def permute(self, *args: Any, dims: Sequence[int] | None = None) -> Tensor:
-        """Reorder dimensions: ``t.permute(0, 2, 1)``, ``t.permute((0, 2, 1))`` or ``t.permute(dims=[0, 2, 1])``."""
+    def permute(self, dims: Sequence[int], *extra: Any) -> Tensor:
+        """Reorder dimensions: ``t.permute((0, 2, 1))`` or ``t.permute(dims=[0, 2, 1])``, one sequence, as
+        NKI's ``NkiTensor.permute(dims)`` takes them (not torch's ``t.permute(0, 2, 1)``)."""
         self._direct("permute")
-        dims = _shape_arg(args if dims is None else (tuple(dims),))
+        if extra or not isinstance(dims, (tuple, list)):
+            raise TypeError(
+                f"permute: pass the dims as one tuple, t.permute({(dims, *extra)}), as NkiTensor.permute(dims) takes them"
+            )
+        dims = tuple(int(d) for d in dims)
         if sorted(dims) != list(range(self.ndim)):
             raise ValueError(f"permute: {dims} is not a permutation of {self.ndim} dims")
         if self.on_chip and dims[0] != 0:

@@ -113,17 +113,19 @@ def check_shapes(x_shape, gate_shape, up_shape, down_shape, activation, dtypes=N
                     f"mlp: {name} weight of shape {tuple(shape)} does not match [{inter}, {hidden}] "
                     f"(from down weight {tuple(down_shape)} and x {tuple(x_shape)})"
                 )
-    _check_sizes("mlp", hidden, inter, dtypes)
+    check_sizes_and_dtype("mlp", hidden, inter, dtypes, "x and the weights")
 
 
-def _check_sizes(kernel, hidden, inter, dtypes):
+def check_sizes_and_dtype(kernel, hidden, inter, dtypes, operands):
+    """Raise ValueError naming ``kernel`` when the sizes are past the limits or the ``operands`` (their
+    description, e.g. "x and the weights") have mixed or unsupported dtypes (``dtypes``, or None)."""
     if not 1 <= inter <= MAX_INTERMEDIATE:
         raise ValueError(f"{kernel}: intermediate size {inter} is outside the supported range 1..{MAX_INTERMEDIATE}")
     name = None
     if dtypes is not None:
         names = {dtype_name(d) for d in dtypes}
         if len(names) != 1:
-            raise ValueError(f"{kernel}: x, the weights and the biases must share one dtype, got {sorted(names)}")
+            raise ValueError(f"{kernel}: {operands} must share one dtype, got {sorted(names)}")
         (name,) = names
         if name not in DTYPES:
             raise ValueError(f"{kernel}: dtype {name} is not supported; use one of {DTYPES}")
@@ -158,7 +160,7 @@ def check_plain_shapes(x_shape, up_shape, down_shape, up_bias_shape, down_bias_s
             f"plain_mlp: biases of shapes {tuple(up_bias_shape)} and {tuple(down_bias_shape)} do not match "
             f"[{inter}] and [{hidden}]"
         )
-    _check_sizes("plain_mlp", hidden, inter, dtypes)
+    check_sizes_and_dtype("plain_mlp", hidden, inter, dtypes, "x, the weights and the biases")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ def _load_columns(vector, size, dtype):
     out = nl.ndarray((P, n_tiles), nl.float32, buffer=nl.sbuf)
     full, rest = size // P, size % P
     if full:
-        nisa.dma_copy(dst=raw[:, :full], src=vector[: full * P].reshape((full, P)).permute(1, 0))
+        nisa.dma_copy(dst=raw[:, :full], src=vector[: full * P].reshape((full, P)).permute((1, 0)))
         nisa.tensor_copy(dst=out[:, :full], src=raw[:, :full])
     if rest:
         nisa.dma_copy(dst=raw[:rest, full : full + 1], src=vector[full * P : size].reshape((rest, 1)))
@@ -262,7 +264,7 @@ def _store_columns(vector, columns, size, dtype):
     full, rest = size // P, size % P
     if full:
         nisa.tensor_copy(dst=rounded[:, :full], src=columns[:, :full])
-        nisa.dma_copy(dst=vector[: full * P].reshape((full, P)).permute(1, 0), src=rounded[:, :full])
+        nisa.dma_copy(dst=vector[: full * P].reshape((full, P)).permute((1, 0)), src=rounded[:, :full])
     if rest:
         nisa.tensor_copy(dst=rounded[:rest, full : full + 1], src=columns[:rest, full : full + 1])
         nisa.dma_copy(dst=vector[full * P : size].reshape((rest, 1)), src=rounded[:rest, full : full + 1])
@@ -388,7 +390,7 @@ class _Forward(nl.NKIObject):
         _transpose_rows_into(rows, y_t, hsz, t_block, self.dtype, self.evictions)
         full = t_block // P
         if full:
-            dst = self.out[t0 : t0 + full * P, h0 : h0 + hsz].reshape((full, P, hsz)).permute(1, 0, 2)
+            dst = self.out[t0 : t0 + full * P, h0 : h0 + hsz].reshape((full, P, hsz)).permute((1, 0, 2))
             nisa.dma_copy(dst=dst, src=rows[:, :full, :])
         if t_block % P:
             r = t_block % P
@@ -793,7 +795,7 @@ class _Backward(nl.NKIObject):
             pending[-1] += [
                 (nisa.dma_copy, (dgu_t[b, :, k * i_total + it0 : k * i_total + it0 + nbt, :tsz], grads_t[:, k, :, :]))
                 for k in range(n_proj)
-            ] + [(nisa.dma_copy, (grad_rows[:, ib, :, r0 : r0 + ceil_div(tsz, P), :cols].permute(1, 0, 2, 3), rows))]
+            ] + [(nisa.dma_copy, (grad_rows[:, ib, :, r0 : r0 + ceil_div(tsz, P), :cols].permute((1, 0, 2, 3)), rows))]
         for group in pending:
             _run(group)
 
@@ -927,7 +929,9 @@ def _elementwise_grads(d_act, gate, up, d_gate_out, d_up_out, rows, cols, activa
 
 def _plain_elementwise_grads(d_act, up, d_up_out, rows, cols, activation, dtype, columns):
     """From da (PSUM) and the saved u (with its bias): writes du = da * act'(u) and returns a = act(u),
-    in ``dtype``. ScalarE: the activation and its derivative; VectorE: the product with da (PSUM)."""
+    in ``dtype``. The activation and its derivative as :func:`_activation_and_grad` forms them (ScalarE
+    for SiLU and GELU, relu's step on VectorE, tanh-GELU's chain over three engines); VectorE: the
+    product with da (PSUM)."""
     act, grad = _activation_and_grad(up, rows, cols, activation, columns, act_dtype=dtype)
     nisa.tensor_tensor(dst=d_up_out, data1=d_act, data2=grad, op=nl.multiply)
     return act
@@ -1034,7 +1038,7 @@ def _load_token_major(src, tokens, c0, cols, k0, nk, out):
     t0 = k0 * P
     full = max(0, min(nk, (tokens - t0) // P))
     if full:
-        view = src[t0 : t0 + full * P, c0 : c0 + cols].reshape((full, P, cols)).permute(1, 0, 2)
+        view = src[t0 : t0 + full * P, c0 : c0 + cols].reshape((full, P, cols)).permute((1, 0, 2))
         nisa.dma_copy(dst=out[:, :full, :cols], src=view)
     if full < nk:
         rest = tokens - (t0 + full * P)
@@ -1133,7 +1137,7 @@ def plain_mlp_bwd(dy, x, w_up, w_down, saved, activation, with_bias):
 
     Plan: :func:`mlp_bwd`'s four phases with one input projection (phase 2 contracts over I, not
     2I). The bias gradients are row sums of tiles the phases already hold, accumulated in fp32
-    per-partition columns: dy^T's in phase 0 (VectorE), du^T's in phase 1 (VectorE).
+    per-partition columns: dy^T's in phase 0, du^T's in phase 1 (row sums on VectorE, accumulated on GpSimd).
     """
     dtype = x.dtype
     check_plain_shapes(

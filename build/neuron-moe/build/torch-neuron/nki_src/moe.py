@@ -54,25 +54,31 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ._common import P, ceil_div, dtype_name, itemsize, tiles
-from .mlp import PSUM_BANK_BYTES, SBUF_RESERVE, WEIGHT_ROW_CHUNK, _act_op, _Evictions, _transpose_rows_into
+
+# The fused MLP's limits and activations, which each expert's MLP shares.
+from .mlp import (  # noqa: F401  (ACTIVATIONS, DTYPES, MAX_HIDDEN*, max_hidden: this kernel's limits too)
+    ACTIVATIONS,
+    DTYPES,
+    MAX_HIDDEN,
+    MAX_HIDDEN_FP32,
+    MAX_INTERMEDIATE,
+    PSUM_BANK_BYTES,
+    SBUF_RESERVE,
+    WEIGHT_ROW_CHUNK,
+    _act_op,
+    _Evictions,
+    _transpose_rows_into,
+    check_sizes_and_dtype,
+    max_hidden,
+)
 
 TOKEN_TILE = 128  # slots per token tile: one gather of rows onto partitions, one transpose
 MAX_BLOCK_TOKENS = 1024  # slots of one block, whose x^T stays in SBUF while the expert's weights stream past
 PLAN_SBUF_BYTES = 192 * 1024  # the block layout is planned for Trn1's SBUF, the smallest target's
-MAX_HIDDEN = 8192  # 2-byte dtypes
-MAX_HIDDEN_FP32 = 4096
-MAX_INTERMEDIATE = 65536
-ACTIVATIONS = ("silu", "gelu_tanh")
-DTYPES = ("bfloat16", "float16", "float32")
 BLOCK_FIELDS = 3  # block_info columns: expert, used token tiles, used (0 or 1)
 # Weight tiles whose reads are issued ahead of the tile in use: DMA queues run in order, so a read issued
 # after a tile's stores (partial sums, scattered rows) would wait for them and stall TensorE.
 PREFETCH = 2
-
-
-def max_hidden(dtype):
-    """The largest hidden size the kernel takes for ``dtype``."""
-    return MAX_HIDDEN_FP32 if itemsize(dtype) == 4 else MAX_HIDDEN
 
 
 def check_shapes(x_shape, gate_up_shape, down_shape, activation, dtypes=None):
@@ -95,22 +101,7 @@ def check_shapes(x_shape, gate_up_shape, down_shape, activation, dtypes=None):
         )
     if experts < 1:
         raise ValueError(f"moe_experts: the weights hold no expert (shape {tuple(down_shape)})")
-    if not 1 <= inter <= MAX_INTERMEDIATE:
-        raise ValueError(f"moe_experts: intermediate size {inter} is outside the supported range 1..{MAX_INTERMEDIATE}")
-    name = None
-    if dtypes is not None:
-        names = {dtype_name(d) for d in dtypes}
-        if len(names) != 1:
-            raise ValueError(f"moe_experts: x and the weights must share one dtype, got {sorted(names)}")
-        (name,) = names
-        if name not in DTYPES:
-            raise ValueError(f"moe_experts: dtype {name} is not supported; use one of {DTYPES}")
-    limit = MAX_HIDDEN if name is None else max_hidden(name)
-    if not 1 <= hidden <= limit:
-        raise ValueError(
-            f"moe_experts: hidden size {hidden} is outside the supported range 1..{limit}"
-            + ("" if name is None else f" for {name}")
-        )
+    check_sizes_and_dtype("moe_experts", hidden, inter, dtypes, "x and the weights")
 
 
 def _fixed_bytes(tile, block, hidden, dtype):

@@ -212,7 +212,7 @@ def _decode_forward(x, weight, eps, convention, out, rstd_out, parts):
     groups = []
     for r0, count in tiles(rows, DECODE_GROUP_ROWS):  # every load first: the weight waits behind them
         tile = nl.ndarray((parts, count, width), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=x[r0 : r0 + count, :].reshape((count, parts, width)).permute(1, 0, 2))
+        nisa.dma_copy(dst=tile, src=x[r0 : r0 + count, :].reshape((count, parts, width)).permute((1, 0, 2)))
         groups.append((r0, count, tile))
     # The weight and the constants are prepared on GpSimd, which the rows' arithmetic leaves idle, so no
     # engine that serves the rows waits for the weight's DMA.
@@ -245,7 +245,7 @@ def _decode_forward(x, weight, eps, convention, out, rstd_out, parts):
         nisa.tensor_tensor(
             dst=result, data1=normed, data2=w.reshape((parts, 1, width)).broadcast(1, count), op=nl.multiply
         )
-        rows_out = out[r0 : r0 + count, :].reshape((count, parts, width)).permute(1, 0, 2)
+        rows_out = out[r0 : r0 + count, :].reshape((count, parts, width)).permute((1, 0, 2))
         nisa.dma_copy(dst=rows_out, src=result)
         # every partition holds every row's rstd
         nisa.dma_copy(dst=rstd_out[r0 : r0 + count, :].reshape((1, count)), src=rstd[0:1, :])
