@@ -1,0 +1,219 @@
+"""AWS nki-library kernels, unmodified, on the simulator against their own references.
+
+Each case's shape, dtype and tolerance come from nki-library's own tests
+(``test/integration/nkilib/core/...``); the inputs are drawn the way those tests draw them (the
+same distributions, our own seeds). A kernel that fails here is marked ``xfail(strict=True)``
+with its first failure, so a simulator fix shows up as an unexpected pass.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import nki
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("nki_library_src")]
+
+BF16 = ml_dtypes.bfloat16
+RNG_SEED = 0
+
+
+def as_torch(array: np.ndarray) -> torch.Tensor:
+    """A float32 torch tensor, as nki-library's ``torch_ref_wrapper`` feeds its references."""
+    return torch.from_numpy(np.asarray(array, dtype=np.float32))
+
+
+def assert_matches(actual: np.ndarray, expected: np.ndarray | torch.Tensor, rtol: float, atol: float) -> None:
+    """nki-library's comparison rule: every ``|actual - expected| <= atol + rtol * max|expected|``.
+
+    Their validator scales the relative tolerance by the reference's largest magnitude rather than
+    per element (``maxAllClose``'s default ``"max"`` mode); this restates that rule.
+    """
+    expected_array = expected.float().numpy() if isinstance(expected, torch.Tensor) else np.asarray(expected)
+    assert actual.shape == expected_array.shape
+    actual32, expected32 = actual.astype(np.float32), expected_array.astype(np.float32)
+    assert np.all(np.isfinite(actual32))
+    bound = atol + rtol * float(np.max(np.abs(expected32)))
+    worst = float(np.max(np.abs(actual32 - expected32)))
+    assert worst <= bound, f"largest |difference| {worst:.4g} over the bound {bound:.4g}"
+
+
+# test_rmsnorm_tkg.py, RMSNORM_TKG_TEST_CASES: (lnc, batch, seqlen, hidden, ...) = (1, 1, 8, 8192, ...)
+# and the 2048-wide case with hidden_actual; rtol=2e-2, atol=1e-5.
+@pytest.mark.parametrize(
+    "batch, seqlen, hidden, hidden_actual", [(1, 8, 8192, None), (1, 4, 2048, 1920)], ids=["8x8192", "4x2048-ha1920"]
+)
+def test_rmsnorm_tkg(batch, seqlen, hidden, hidden_actual):
+    from nkilib.core.subkernels.rmsnorm_tkg import rmsnorm_tkg
+    from nkilib.core.subkernels.rmsnorm_torch import rmsnorm_tkg_torch_ref_lnc1
+
+    rng = np.random.default_rng(RNG_SEED)
+    hidden_in = rng.standard_normal((batch, seqlen, hidden)).astype(np.float16)
+    gamma = rng.standard_normal((1, hidden)).astype(np.float16)
+    output = np.zeros((128, batch * seqlen, hidden // 128), np.float16)  # the kernel writes into it
+    nki.jit(rmsnorm_tkg)[1](hidden_in, gamma, output, hidden_actual=hidden_actual)
+    expected = rmsnorm_tkg_torch_ref_lnc1(as_torch(hidden_in), as_torch(gamma), None, hidden_actual=hidden_actual)
+    assert np.any(output != 0)
+    assert_matches(output, expected["out"], rtol=2e-2, atol=1e-5)
+
+
+# RoPE keeps x_in, cos, sin, x_out and four (d_head/2)-partition products of B*n_heads*S elements
+# live at once without tiling S; at B*n_heads*S = 32768 and 65536 (both under the 73728 its test's
+# filter admits) that is over trn2's 224 KiB per partition in the simulator's accounting.
+ROPE_OVER_SBUF = pytest.mark.xfail(
+    strict=True,
+    raises=Exception,
+    reason="CapacityError: live SBUF over trn2's 229,376 bytes per partition (278,528 at 4x8x1024 on "
+    "RoPE_sbuf's products, 294,912 at 64x8x128 on x_out_sb); the simulator counts every allocated "
+    "tile as live until its scope ends, with no buffer reuse",
+)
+
+
+# test_rope.py, test_rope_manual: (d_head, B, n_heads, S, contiguous_layout, relayout_in_sbuf);
+# bf16 Gaussian inputs, lnc_shard=True, rtol = bf16 epsilon, atol=1e-3.
+@pytest.mark.parametrize(
+    "d_head, batch, n_heads, seqlen, contiguous",
+    [
+        (128, 1, 1, 8192, True),
+        (64, 32, 4, 64, False),
+        pytest.param(128, 4, 8, 1024, True, marks=ROPE_OVER_SBUF),
+        pytest.param(128, 64, 8, 128, True, marks=ROPE_OVER_SBUF),
+    ],
+    ids=["128x1x1x8192-contiguous", "64x32x4x64-interleaved", "128x4x8x1024-contiguous", "128x64x8x128-contiguous"],
+)
+def test_rope(d_head, batch, n_heads, seqlen, contiguous):
+    from nkilib.core.embeddings.rope import RoPE
+    from nkilib.core.embeddings.rope_torch import rope_torch_ref
+
+    rng = np.random.default_rng(RNG_SEED)
+    x_in = rng.standard_normal((d_head, batch, n_heads, seqlen)).astype(BF16)
+    cos = rng.standard_normal((d_head // 2, batch, seqlen)).astype(BF16)
+    sin = rng.standard_normal((d_head // 2, batch, seqlen)).astype(BF16)
+    x_out = RoPE(x_in, cos, sin, lnc_shard=True, contiguous_layout=contiguous)
+    expected = rope_torch_ref(as_torch(x_in), as_torch(cos), as_torch(sin), contiguous_layout=contiguous)
+    assert_matches(x_out, expected["x_out"], rtol=float(ml_dtypes.finfo(BF16).eps), atol=1e-3)
+
+
+ATTENTION_CTE_DATACLASS = pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="missing NKI class semantics: SectionParams is @dataclass over nl.NKIObject with unannotated "
+    "class attributes as fields; Python's dataclass then writes a no-field __init__ over the "
+    "simulator's NKIObject.__init__, so SectionParams(section_idx=...) raises TypeError "
+    "(attention_cte.py:708). The 2K case stops there too, before any capacity check",
+)
+
+
+# test_attention_cte.py, attention_cte_no_cp_unit_perms: (bs, seqlen_kv, seqlen_q, d, scale, dtype,
+# causal, tp_q, tp_out); uniform [0, 1) inputs (np_random_sample); rtol=2e-2, atol=1e-5.
+@pytest.mark.parametrize(
+    "batch, seqlen, d_head, dtype, tp_q, tp_out",
+    [
+        pytest.param(1, 128, 128, BF16, False, True, marks=ATTENTION_CTE_DATACLASS),
+        pytest.param(3, 2048, 128, np.float16, True, False, marks=ATTENTION_CTE_DATACLASS),
+    ],
+    ids=["1x128x128-bf16", "3x2048x128-fp16"],
+)
+def test_attention_cte(batch, seqlen, d_head, dtype, tp_q, tp_out):
+    from nkilib.core.attention.attention_cte import attention_cte
+    from nkilib.core.attention.attention_cte_torch import attention_cte_torch_ref
+
+    rng = np.random.default_rng(RNG_SEED)
+    q = rng.random((batch, seqlen, d_head) if tp_q else (batch, d_head, seqlen)).astype(dtype)
+    k = rng.random((batch, d_head, seqlen)).astype(dtype)
+    v = rng.random((batch, seqlen, d_head)).astype(dtype)
+    out = attention_cte(q, k, v, scale=1.0, causal_mask=True, tp_q=tp_q, tp_out=tp_out)
+    expected = attention_cte_torch_ref(as_torch(q), as_torch(k), as_torch(v), scale=1.0, tp_q=tp_q, tp_out=tp_out)
+    assert_matches(out, expected, rtol=2e-2, atol=1e-5)
+
+
+# test_attention_bwd.py, sequence-packing cases marked fast: (q_heads, kv_heads, head_dim, dtype,
+# seqlens) = (1, 1, 128, bf16, [512]), causal, mixed precision; Gaussian inputs; rtol=2e-2, atol=1e-5.
+@pytest.mark.xfail(
+    strict=True,
+    raises=Exception,
+    reason="rule: nisa.range_select refuses on_false_value=-3.4028235e38, nki-library's float32 minimum "
+    "written as a Python float; the simulator compares it unrounded with float32's minimum "
+    "(-3.4028234663852886e38) instead of after rounding the immediate to fp32",
+)
+def test_attention_bwd():
+    from nkilib.core.attention.attention_bwd import attention_bwd
+    from nkilib.core.attention.attention_bwd_torch import attention_bwd_torch_ref, compute_o_lse
+
+    batch, heads, d_head, seqlen = 1, 1, 128, 512
+    rng = np.random.default_rng(RNG_SEED)
+    q, k, v, dy = (rng.standard_normal((batch, heads, d_head, seqlen)).astype(BF16) for _ in range(4))
+    bound_min = np.zeros(seqlen, np.float32)
+    bound_max = np.full(seqlen, seqlen, np.float32)
+    o, lse, _ = compute_o_lse(
+        as_torch(q), as_torch(k), as_torch(v), True, True, bound_min=as_torch(bound_min), bound_max=as_torch(bound_max)
+    )
+    o_bf16, lse_fp32 = o.float().numpy().astype(BF16), lse.float().numpy()
+    grads = attention_bwd(
+        q, k, v, o_bf16, dy, lse_fp32, None, bound_min, bound_max, use_causal_mask=True, mixed_precision=True
+    )
+    expected = attention_bwd_torch_ref(
+        *(as_torch(a) for a in (q, k, v, o_bf16, dy, lse_fp32)),
+        None,
+        as_torch(bound_min),
+        as_torch(bound_max),
+        use_causal_mask=True,
+        mixed_precision=True,
+    )
+    assert len(grads) == len(expected) == 3
+    for grad, reference in zip(grads, expected.values(), strict=True):
+        assert_matches(grad, reference, rtol=2e-2, atol=1e-5)
+
+
+def rmsnorm_swiglu_reference(
+    hidden: np.ndarray, gamma: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, eps: float
+) -> np.ndarray:
+    """RMSNorm, then ``down(silu(gate(x)) * up(x))``, in float64."""
+    x = hidden.astype(np.float64)
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gamma.astype(np.float64)
+    gate = normed @ gate_w.astype(np.float64)
+    up = normed @ up_w.astype(np.float64)
+    return (gate / (1 + np.exp(-gate)) * up) @ down_w.astype(np.float64)
+
+
+# test_mlp_cte.py, MLP_CTE_UNIT_TEST_CASES_GATE_BIAS_FALSE: (lnc 1, batch 1, seqlen 512, hidden 1024,
+# intermediate 448, RMS_NORM, no quantization, SiLU), bf16; rtol=2e-2, atol=1e-5. The entry point
+# nki-library's test uses, ``nkilib.core.mlp.mlp.mlp``, does not parse at the checked revision
+# (IndentationError in its docstring), so the kernel is launched through ``mlp_cte`` itself, the CTE
+# path ``mlp`` dispatches to at this size. nki-library has no torch reference beside mlp (its golden is
+# NumPy in the test tree), so the reference is ours.
+def test_mlp_cte():
+    from nkilib.core.mlp.mlp_cte.mlp_cte import mlp_cte
+    from nkilib.core.mlp.mlp_parameters import MLPParameters
+    from nkilib.core.utils.common_types import ActFnType, NormType, QuantizationType
+
+    batch, seqlen, hidden, intermediate, eps = 1, 512, 1024, 448, 1e-6
+
+    @nki.jit
+    def launch_mlp_cte(hidden_in, gate_w, up_w, down_w, gamma):
+        out = nki.language.ndarray(hidden_in.shape, dtype=hidden_in.dtype, buffer=nki.language.shared_hbm)
+        parameters = MLPParameters(
+            hidden_tensor=hidden_in,
+            gate_proj_weights_tensor=gate_w,
+            up_proj_weights_tensor=up_w,
+            down_proj_weights_tensor=down_w,
+            normalization_weights_tensor=gamma,
+            activation_fn=ActFnType.SiLU,
+            normalization_type=NormType.RMS_NORM,
+            quantization_type=QuantizationType.NONE,
+            output_dtype=hidden_in.dtype,
+            eps=eps,
+        )
+        mlp_cte(parameters, out, None)
+        return out
+
+    rng = np.random.default_rng(RNG_SEED)
+    hidden_in = rng.standard_normal((batch, seqlen, hidden)).astype(BF16)
+    gamma = rng.uniform(-0.1, 0.1, (1, hidden)).astype(BF16)
+    gate_w, up_w = (rng.standard_normal((hidden, intermediate)).astype(BF16) for _ in range(2))
+    down_w = rng.standard_normal((intermediate, hidden)).astype(BF16)
+    out = launch_mlp_cte(hidden_in, gate_w, up_w, down_w, gamma)
+    expected = rmsnorm_swiglu_reference(hidden_in, gamma, gate_w, up_w, down_w, eps)
+    assert_matches(out, expected, rtol=2e-2, atol=1e-5)
