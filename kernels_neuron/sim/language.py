@@ -83,10 +83,22 @@ class NKIObject:
                 raise TypeError(f"{type(self).__name__}() got field {key!r} twice")
             given[key] = value
         for field, default in fields.items():
-            setattr(self, field, given.get(field, default))
+            # object.__setattr__, as dataclass's own __init__ does, so @dataclass(frozen=True) works
+            object.__setattr__(self, field, given.get(field, default))
         post_init = getattr(self, "__post_init__", None)
         if post_init is not None:
             post_init()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Python's @dataclass, applied after the class body, writes its own __init__/__eq__/__repr__
+        # from annotated fields only, so a class whose fields are plain attributes (nki-library's
+        # attention_cte.SectionParams) would get a no-argument __init__; it leaves methods already in
+        # the class's own namespace alone, so NKIObject's are placed there unless the class (or a
+        # base between it and NKIObject) brings its own.
+        super().__init_subclass__(**kwargs)
+        for method in ("__init__", "__eq__", "__repr__"):
+            if getattr(cls, method) is getattr(NKIObject, method):
+                setattr(cls, method, getattr(NKIObject, method))
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())

@@ -7,7 +7,7 @@ there is one. Expected values are written out here, never computed with the simu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass
 
 import ml_dtypes
 import numpy as np
@@ -237,6 +237,7 @@ def test_an_engine_given_by_its_documented_integer_selects_that_engine():
 # ---------------------------------------------------------------------------------------------
 # user classes and optional arguments
 # ---------------------------------------------------------------------------------------------
+@dataclass
 class _SectionParams(nl.NKIObject):  # the shape of nki-library's attention_cte.SectionParams
     section_idx = None
     section_offset = None
@@ -257,6 +258,11 @@ class _Decorated(nl.NKIObject):
     y: bool = False
 
 
+@dataclass(frozen=True)
+class _Frozen(nl.NKIObject):  # nki-library's mlp_cte tile info is a frozen dataclass
+    x: int = 0
+
+
 def test_nki_objects_behave_like_dataclasses_with_or_without_the_decorator():
     """nki-language-guide.rst, "Class Support": classes with and without @dataclass compile the
     same way; the default initializer is ``__init__(self, x=None, y=False)``."""
@@ -268,8 +274,13 @@ def test_nki_objects_behave_like_dataclasses_with_or_without_the_decorator():
     assert _Plain().x is None and _Plain(y=True).y is True
     assert _Plain(1) == _Plain(x=1) and _Plain(1) != _Plain(2)
     assert (_Decorated(1).x, _Decorated(1).y) == (1, False)
+    assert _Decorated(1) != _Decorated(2) and _SectionParams(section_idx=1) != _SectionParams(section_idx=2)
     with pytest.raises(TypeError, match="no field 'z'"):
         _Plain(z=1)
+    frozen = _Frozen(3)
+    assert frozen.x == 3
+    with pytest.raises(FrozenInstanceError):
+        frozen.x = 4  # type: ignore[misc]
 
 
 def test_a_tensor_compared_with_none_is_a_python_check():

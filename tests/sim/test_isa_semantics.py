@@ -1465,6 +1465,29 @@ def test_range_select_bounds_and_max_reduce(dtype):
     np.testing.assert_array_equal(red, expected.max(1, keepdims=True))
 
 
+def test_range_select_takes_fp32_min_spelled_as_a_decimal_literal():
+    """nki-library passes ``-3.4028235e38``: not float32's minimum as a double, but that value once
+    rounded to the fp32 immediate the instruction takes."""
+    x = rand((8, 4), np.float32, -1, 1, seed=99)
+
+    def body(t, b0, b1):
+        dst = sb(t.shape, t.dtype)
+        nisa.range_select(
+            dst=dst,
+            on_true_tile=t,
+            on_false_value=-3.4028235e38,
+            comp_op0=nl.greater_equal,
+            comp_op1=nl.less,
+            bound0=b0,
+            bound1=b1,
+        )
+        return dst
+
+    bound = np.full((8, 1), 2, np.float32)
+    dst = run(body, x, bound * 0, bound)
+    np.testing.assert_array_equal(dst, np.where(np.arange(4) < 2, x, np.float32(FP32_MIN)))
+
+
 def test_select_reduce():
     x = rand((64, 32), np.float32, -4, 4, seed=97)
     pred = np.random.default_rng(98).integers(0, 2, size=x.shape).astype(np.uint8)

@@ -1365,7 +1365,9 @@ def range_select(
     red = as_alu(reduce_op if reduce_op is not None else _OPS["maximum"], instr, "reduce_op")
     if red.name != "maximum":
         raise rule(instr, "reduce_op", "only nl.maximum is supported", op=red.name)
-    if float(on_false_value) != operands.FP32_MIN:
+    # The fill is an fp32 immediate: a decimal spelling that rounds to fp32's minimum (nki-library
+    # writes -3.4028235e38) is that value.
+    if float(np.float32(on_false_value)) != operands.FP32_MIN:
         raise rule(instr, "on_false_value", "the hardware fills with FP32_MIN only", value=on_false_value)
     dst = operands.compute_tile(dst, instr, "dst", "vector")
     on_true_tile = operands.compute_tile(on_true_tile, instr, "on_true_tile", "vector")
