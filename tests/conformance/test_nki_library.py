@@ -182,7 +182,8 @@ def rmsnorm_swiglu_reference(
 # nki-library's test uses, ``nkilib.core.mlp.mlp.mlp``, does not parse at the checked revision
 # (IndentationError in its docstring), so the kernel is launched through ``mlp_cte`` itself, the CTE
 # path ``mlp`` dispatches to at this size. nki-library has no torch reference beside mlp (its golden is
-# NumPy in the test tree), so the reference is ours.
+# NumPy in the test tree), so the reference is ours. Weights are bf16 like the activations (their
+# builder draws fp8 weights even without quantization).
 def test_mlp_cte():
     from nkilib.core.mlp.mlp_cte.mlp_cte import mlp_cte
     from nkilib.core.mlp.mlp_parameters import MLPParameters
