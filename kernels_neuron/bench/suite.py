@@ -498,6 +498,10 @@ CASES: list[Case] = [
         "attention-fwd/gemma2-9b/softcap-d256-4096", "Gemma-2-9B", 4096, 4096, d=256, window=4096, softcap=50.0
     ),
     attention_case("attention-fwd/qwen3-8b/decode-1-of-4096", "Qwen3-8B", 1, 4096),
+    # Speculative / chunked decode: a few queries per sequence against a long cache (baselines for the
+    # decode path the kernel does not have yet).
+    attention_case("attention-fwd/llama3-8b/spec-decode-4-of-4096", "Llama-3-8B", 4, 4096),
+    attention_case("attention-fwd/llama3-8b/spec-decode-16-of-4096", "Llama-3-8B", 16, 4096),
     # Packed training batches (TRL's padding-free packing): one launch over the sequences, against one of
     # them alone (the packed case should cost about 4x it).
     attention_case("attention-fwd/qwen3-8b/packed-4x256", "Qwen3-8B", 1024, 1024, packed=(256, 256, 256, 256)),
