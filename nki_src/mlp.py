@@ -241,9 +241,10 @@ def _load_weight_transposed(weight, r0, rows, cols, dtype, evictions):
     return out
 
 
-def _load_columns(vector, size, dtype):
-    """An fp32 SBUF tile [P, ceil(size/128)] holding ``vector[k*128 + p]`` at [p, k]: a bias laid out
-    per partition, as the transposed activations and outputs need it."""
+def _load_columns(vector):
+    """An fp32 SBUF tile [P, ceil(n/128)] holding ``vector[k*128 + p]`` at [p, k] (``vector`` [n] in HBM):
+    a bias laid out per partition, as the transposed activations and outputs need it."""
+    (size,), dtype = vector.shape, vector.dtype
     n_tiles = ceil_div(size, P)
     raw = nl.ndarray((P, n_tiles), dtype, buffer=nl.sbuf)
     out = nl.ndarray((P, n_tiles), nl.float32, buffer=nl.sbuf)
@@ -257,8 +258,10 @@ def _load_columns(vector, size, dtype):
     return out
 
 
-def _store_columns(vector, columns, size, dtype):
-    """``vector[k*128 + p] = columns[p, k]`` (fp32, rounded once to ``dtype``): :func:`_load_columns` reversed."""
+def _store_columns(vector, columns):
+    """``vector[k*128 + p] = columns[p, k]`` (fp32, rounded once to the vector's dtype): :func:`_load_columns`
+    reversed."""
+    (size,), dtype = vector.shape, vector.dtype
     n_tiles = ceil_div(size, P)
     rounded = nl.ndarray((P, n_tiles), dtype, buffer=nl.sbuf)
     full, rest = size // P, size % P
@@ -482,8 +485,7 @@ def plain_mlp_fwd(x, w_up, w_down, b_up, b_down, activation, save_up):
         activation,
         [dtype, w_up.dtype, w_down.dtype] + ([b_up.dtype, b_down.dtype] if with_bias else []),
     )
-    inter, hidden = w_up.shape
-    biases = (_load_columns(b_up, inter, dtype), _load_columns(b_down, hidden, dtype)) if with_bias else None
+    biases = (_load_columns(b_up), _load_columns(b_down)) if with_bias else None
     return _run_forward(x, [w_up], w_down, activation, save_up, biases)
 
 
@@ -696,8 +698,8 @@ class _Backward(nl.NKIObject):
 
     def store_bias_grads(self, d_up_bias, d_down_bias):
         """The bias gradients, from their fp32 sums, rounded once to the input dtype."""
-        _store_columns(d_up_bias, self.bias_sums[0], self.inter, self.dtype)
-        _store_columns(d_down_bias, self.bias_sums[1], self.hidden, self.dtype)
+        _store_columns(d_up_bias, self.bias_sums[0])
+        _store_columns(d_down_bias, self.bias_sums[1])
 
     def intermediate_grads(self):
         """Phase 1: da^T = Wd^T dy^T per intermediate block and token tile, and from it (with the saved

@@ -279,23 +279,25 @@ def attention_case(
     )
 
 
+def _draw(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    """Standard-normal bf16 values of ``shape`` scaled by ``scale`` (drawn in fp32, rounded once)."""
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
+
+
 def _mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int) -> tuple:
     rng = np.random.default_rng(seed)
 
-    def draw(*shape, scale=1.0):
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
-
-    x = draw(tokens, hidden)
+    x = _draw(rng, tokens, hidden)
     weights = (
-        draw(inter, hidden, scale=hidden**-0.5),
-        draw(inter, hidden, scale=hidden**-0.5),
-        draw(hidden, inter, scale=inter**-0.5),
+        _draw(rng, inter, hidden, scale=hidden**-0.5),
+        _draw(rng, inter, hidden, scale=hidden**-0.5),
+        _draw(rng, hidden, inter, scale=inter**-0.5),
     )
     if not backward:
         return (x,) + weights
     # The saved gate/up projections are drawn, not computed by a forward run: the modelled time does
     # not depend on the values, and a full-size forward would double the case's simulation time.
-    return (draw(tokens, hidden), x) + weights + (draw(*saved_shape(tokens, inter)),)
+    return (_draw(rng, tokens, hidden), x) + weights + (_draw(rng, *saved_shape(tokens, inter)),)
 
 
 def _mlp_forward(x, w_gate, w_up, w_down, activation, save_gate_up):
@@ -337,14 +339,11 @@ def mlp_case(
 def _plain_mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int) -> tuple:
     rng = np.random.default_rng(seed)
 
-    def draw(*shape, scale=1.0):
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
-
-    x = draw(tokens, hidden)
-    weights = (draw(inter, hidden, scale=hidden**-0.5), draw(hidden, inter, scale=inter**-0.5))
+    x = _draw(rng, tokens, hidden)
+    weights = (_draw(rng, inter, hidden, scale=hidden**-0.5), _draw(rng, hidden, inter, scale=inter**-0.5))
     if not backward:
-        return (x,) + weights + (draw(inter, scale=0.1), draw(hidden, scale=0.1))
-    return (draw(tokens, hidden), x) + weights + (draw(*saved_shape(tokens, inter, 1)),)
+        return (x,) + weights + (_draw(rng, inter, scale=0.1), _draw(rng, hidden, scale=0.1))
+    return (_draw(rng, tokens, hidden), x) + weights + (_draw(rng, *saved_shape(tokens, inter, 1)),)
 
 
 def _plain_mlp_forward(x, w_up, w_down, b_up, b_down, activation, save_up):
@@ -392,12 +391,9 @@ def _moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, 
     Mixtral's router does), laid out for the kernel (``routing_layout``)."""
     rng = np.random.default_rng(seed)
 
-    def draw(*shape, scale=1.0):
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
-
-    x = draw(tokens, hidden)
-    w_gate_up = draw(experts, 2 * inter, hidden, scale=hidden**-0.5)
-    w_down = draw(experts, hidden, inter, scale=inter**-0.5)
+    x = _draw(rng, tokens, hidden)
+    w_gate_up = _draw(rng, experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w_down = _draw(rng, experts, hidden, inter, scale=inter**-0.5)
     probs = torch.from_numpy(rng.standard_normal((tokens, experts), dtype=np.float32)).softmax(-1)
     weights, index = torch.topk(probs, top_k, dim=-1)
     layout = routing_layout(index, weights / weights.sum(-1, keepdim=True), experts, hidden, inter, torch.bfloat16)
