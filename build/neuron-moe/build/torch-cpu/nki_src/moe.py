@@ -67,6 +67,7 @@ from .mlp import (  # noqa: F401  (ACTIVATIONS, DTYPES, MAX_HIDDEN*, max_hidden:
     WEIGHT_ROW_CHUNK,
     _act_op,
     _Evictions,
+    _group_size,
     _transpose_rows_into,
     check_sizes_and_dtype,
     max_hidden,
@@ -312,7 +313,7 @@ class _Experts(nl.NKIObject):
         """Each used token tile of y^T back to rows, times its routing weights, to its choices' rows."""
         tile, hidden, dtype = self.tile, self.hidden, self.dtype
         h_tiles = list(tiles(hidden, P))
-        group = PSUM_BANK_BYTES // (P * itemsize(dtype))  # 128-column transposed tiles per PSUM bank
+        group = _group_size(dtype)  # 128-column transposed tiles per PSUM bank
         for j in nl.dynamic_range(blk.used_tiles):
             start = blk.slot0 + j * tile
             weight = self._slot_column(self.slot_weight, start, nl.float32)
