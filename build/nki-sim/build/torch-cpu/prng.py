@@ -73,8 +73,7 @@ def draw(run: runtime.Run, eng: str, first_lane: int, parts: int, count: int) ->
         state[:, g, 4] = v ^ (v << np.uint32(4)) ^ t ^ (t << np.uint32(1))
         state[:, g, 5] += _WEYL_INCREMENT
         out[:, i] = state[:, g, 4] + state[:, g, 5]
-    lanes(run, eng)[first_lane : first_lane + parts] = state.reshape(parts, -1)
-    return out
+    return out  # ``state`` is a view of the lanes' rows: they advanced in place
 
 
 def rand_set_state(src_seeds: Tensor, engine: engine = engine.gpsimd, name: str | None = None) -> None:

@@ -453,14 +453,10 @@ class Tensor:
             raise rule("vector_select", repr(self), "vector_select applies to HBM tensors only")
         if not isinstance(vector_offset, Tensor) or vector_offset.buffer != "sbuf":
             raise rule("vector_select", "vector_offset", "must be an SBUF tile of per-partition indices")
-        itemsize = self._view.itemsize
-        if itemsize != self._buf.data.itemsize:
+        if self._view.itemsize != self._buf.data.itemsize:
             raise rule("vector_select", repr(self), "select rows before reinterpreting the dtype with .view()")
-        base = self._buf.data.__array_interface__["data"][0]
-        start = (self._view.__array_interface__["data"][0] - base) // itemsize
-        steps = tuple(stride // itemsize for stride in self._view.strides)
         nums = (vector_offset.shape[0],) + self.shape[1:]
-        indirect = Indirect(vector_offset, 0, start, steps, nums)
+        indirect = Indirect(vector_offset, 0, self.offset, self.strides, nums)
         shape_only = np.broadcast_to(self._buf.data.reshape(-1)[:1], nums)
         return Tensor(self._buf, shape_only, self._dtype, indirect=indirect)
 
