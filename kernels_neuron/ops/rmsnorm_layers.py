@@ -14,7 +14,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from ._backend import own_forward, tensor_reasons
+from ._backend import input_reasons, own_forward, tensor_reasons
 from .rmsnorm import MAX_HIDDEN, MIN_HIDDEN, rms_norm
 
 # Each layer: the module attribute holding epsilon and the rms_norm convention it computes.
@@ -44,11 +44,7 @@ def unsupported_reasons(layer: str, module: nn.Module, x: torch.Tensor | None = 
         reasons.append(f"hidden size {hidden} is outside the kernel's {MIN_HIDDEN}..{MAX_HIDDEN}")
     reasons += tensor_reasons("weight", weight)
     if x is not None:
-        reasons += tensor_reasons("the input", x)
-        if x.numel() == 0:
-            reasons.append(f"the input of shape {tuple(x.shape)} is empty")
-        elif x.shape[-1] != hidden:
-            reasons.append(f"the input's last dim {x.shape[-1]} differs from the hidden size {hidden}")
+        reasons += input_reasons(x, hidden)
     return reasons
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._backend import own_forward, tensor_reasons
+from ._backend import input_reasons, own_forward, tensor_reasons
 from .layernorm import MAX_HIDDEN, MIN_HIDDEN, hidden_limit, layer_norm
 
 # Each layer: the module attribute holding epsilon, and whether the module has a bias attribute.
@@ -63,12 +63,8 @@ def unsupported_reasons(layer: str, module: nn.Module, x: torch.Tensor | None = 
             if not vector.is_contiguous():
                 reasons.append(f"{attribute} is not contiguous")
     if x is not None:
-        reasons += tensor_reasons("the input", x)
-        if x.numel() == 0:
-            reasons.append(f"the input of shape {tuple(x.shape)} is empty")
-        elif x.shape[-1] != hidden:
-            reasons.append(f"the input's last dim {x.shape[-1]} differs from the hidden size {hidden}")
-        elif not reasons:
+        reasons += input_reasons(x, hidden)
+        if not reasons:
             limit = hidden_limit(x, _vector(module, "weight"), _vector(module, "bias"))
             if hidden > limit:
                 reasons.append(f"hidden size {hidden} is above the kernel's {limit} for these dtypes")

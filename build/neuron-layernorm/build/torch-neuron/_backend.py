@@ -115,6 +115,17 @@ def tensor_reasons(name: str, tensor: torch.Tensor) -> list[str]:
     return []
 
 
+def input_reasons(x: torch.Tensor, hidden: int) -> list[str]:
+    """Why a norm layer cannot hand its input ``x`` to a kernel normalising over ``hidden``: the tensor's
+    own reasons, an empty input, a last dim that is not ``hidden``; empty when it can."""
+    reasons = tensor_reasons("the input", x)
+    if x.numel() == 0:
+        reasons.append(f"the input of shape {tuple(x.shape)} is empty")
+    elif x.shape[-1] != hidden:
+        reasons.append(f"the input's last dim {x.shape[-1]} differs from the hidden size {hidden}")
+    return reasons
+
+
 FALLBACK_ATTRIBUTE = "kernels_neuron_fallback"  # why a swapped module last ran its own forward
 _warned: set[tuple[str, str]] = set()
 
