@@ -21,13 +21,13 @@ import functools
 import importlib
 import inspect
 import sys
-import textwrap
 
 import torch
 from torch import nn
 
 from ._backend import autocast_dtype, dtype_name, own_forward, tensor_reasons
 from .mlp import activation_kind, describe_activation
+from .mlp_structure import forward_definition
 from .moe import MAX_INTERMEDIATE, max_hidden, moe_experts
 
 LIMITS = (
@@ -46,12 +46,8 @@ def _unwrapped(function: object) -> object:
 @functools.cache
 def _forward_tree(function: object) -> str | None:
     """The forward's statements, as an AST dump (no docstring), or None when its source is unavailable."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))  # type: ignore[arg-type]
-    except (OSError, TypeError, SyntaxError):
-        return None
-    (definition,) = tree.body
-    if not isinstance(definition, ast.FunctionDef):
+    definition = forward_definition(function)
+    if definition is None:
         return None
     body = definition.body
     if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):

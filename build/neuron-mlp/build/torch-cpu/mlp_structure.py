@@ -79,19 +79,24 @@ def _chunk_halves(node: ast.AST, env: dict) -> Any:
     return _symbolic(node.func.value, env)
 
 
+def forward_definition(function: Any) -> ast.FunctionDef | None:
+    """The ``def`` of ``function`` parsed from its source; None when the source is unavailable or is not
+    a function definition."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    definition = tree.body[0] if tree.body else None
+    return definition if isinstance(definition, ast.FunctionDef) else None
+
+
 @functools.cache
 def _returned(cls: type) -> Any:
     """What ``cls.forward(self, x)`` returns, symbolically (``_symbolic``), when its body is only
     assignments and one return; None otherwise."""
     forward = getattr(cls, "forward", None)
-    if forward is None:
-        return None
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    function = tree.body[0] if tree.body else None
-    if not isinstance(function, ast.FunctionDef):
+    function = None if forward is None else forward_definition(forward)
+    if function is None:
         return None
     args = function.args
     if (
