@@ -7,6 +7,11 @@
 - ``attention_reference(...)``: the same semantics in plain torch (tests, and the explicit fallback);
   ``attention_backward_reference(...)``: the backward with the NKI backward kernel's signature.
 
+Decoding (at most ``DECODE_MAX_QUERIES`` queries per sequence, no mask or packing, head_dim <= 128,
+and at most 128 query rows per KV head) runs the decode kernel (``nki_src/attention_decode.py``: keys
+on the partitions, every query head of a KV group served from one K/V read, any number of keys in one
+launch); everything else, and every backward, runs the flash-attention kernel (``nki_src/attention.py``).
+
 Semantics are ``torch.nn.functional.scaled_dot_product_attention`` plus: causal masking aligned as
 transformers aligns it when ``Sq < Sk`` (a KV cache: the last query sees the last key), a sliding
 window (query ``i`` sees keys ``j`` with ``i + Sk - Sq - window < j``), logit softcapping
@@ -27,9 +32,13 @@ import math
 import torch
 
 from . import attention_launches as launches
-from ._backend import autocast_dtype, check_float_tensor, define_op, nki_source, op_namespace
+from ._backend import autocast_dtype, check_float_tensor, define_op, nki_source, op_namespace, run_kernel
 
 _kernels = nki_source(__package__, "attention")
+_decode = nki_source(__package__, "attention_decode")
+# Up to 16 queries per sequence the decode kernel is the faster one in the cost model (1..16 queries
+# against 4096 keys, 1..8 query heads per KV head); at 32 queries of 4 heads the prefill kernel is.
+DECODE_MAX_QUERIES = 16
 MAX_HEAD_DIM = _kernels.MAX_HEAD_DIM
 MASKED_LOGIT = _kernels.MASKED_LOGIT_FLOOR  # rows whose logits all lie at or below it have seen no key
 _NS = op_namespace(__name__)
@@ -166,6 +175,19 @@ def _validate_op(q, k, v, bias, cu_seqlens) -> None:
         )
 
 
+def _decodes(q: torch.Tensor, k: torch.Tensor, bias, cu_seqlens) -> bool:
+    """Whether the decode kernel serves this forward: few queries, no bias or packing, within its limits."""
+    sq, d = q.shape[2], q.shape[3]
+    rows = (q.shape[1] // k.shape[1]) * sq
+    return (
+        bias is None
+        and cu_seqlens is None
+        and sq <= DECODE_MAX_QUERIES
+        and rows <= _decode.MAX_GROUP_ROWS
+        and d <= _decode.MAX_HEAD_DIM
+    )
+
+
 @define_op(f"{_NS}::flash_attn_fwd")
 def flash_attn_fwd(
     q: torch.Tensor,
@@ -180,6 +202,8 @@ def flash_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, H, Sq, D] forward: (out in q's dtype, lse [B, H, Sq] fp32)."""
     _validate_op(q, k, v, bias, cu_seqlens)
+    if _decodes(q, k, bias, cu_seqlens):
+        return run_kernel(_decode.flash_decode_fwd, q, k, v, float(scale), bool(causal), int(window), float(softcap))
     return launches.forward(
         _kernels.flash_attn_fwd,
         q,

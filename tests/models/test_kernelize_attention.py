@@ -86,7 +86,8 @@ def left_padded(batch=2, seq=16, pads=(0, 5)):
 
 
 def attention_launches(traces):
-    return sum(t.kernel == "flash_attn_fwd" for t in traces)
+    """Launches of either attention forward kernel: flash attention, or decode for a few queries."""
+    return sum(t.kernel in ("flash_attn_fwd", "flash_decode_fwd") for t in traces)
 
 
 # --- inference ------------------------------------------------------------------------------------------
@@ -353,3 +354,19 @@ def test_a_model_with_its_own_flash_kernels_replaces_the_hub_name(tmp_path):
     assert HUB not in compatible
     assert result.get("implementation") != HUB
     assert any(name in json.dumps(result) for name in compatible) or "flash-attn3" in json.dumps(result), result
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_generate_with_a_static_cache_decodes_with_the_decode_kernel_and_gives_eagers_tokens(arch, route):
+    own = reference(arch, "eager", num_attention_heads=4, num_key_value_heads=2)
+    model = with_kernel(own, route)
+    ids = input_ids(2, 20)  # a prompt above DECODE_MAX_QUERIES, so the prefill runs flash attention
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad(), sim.capture() as traces:
+        got = model.generate(ids, **settings)
+    assert torch.equal(got, own.generate(ids, **settings))
+    kernels = [t.kernel for t in traces]
+    # The prompt runs the flash-attention kernel; each of the 4 decode steps runs the decode kernel per layer.
+    assert kernels.count("flash_decode_fwd") >= 4 * LAYERS, kernels
+    assert kernels.count("flash_attn_fwd") >= LAYERS

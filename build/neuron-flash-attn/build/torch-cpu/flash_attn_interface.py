@@ -24,7 +24,7 @@ from typing import TypeVar
 import torch
 
 from ._backend import SUPPORTED_FLOAT_DTYPES, autocast_dtype, check_float_tensor, is_dtensor
-from .attention import MAX_HEAD_DIM, _check_options, flash_attention, flash_attn_varlen
+from .attention import DECODE_MAX_QUERIES, MAX_HEAD_DIM, _check_options, flash_attention, flash_attn_varlen
 
 _Result = TypeVar("_Result")
 
@@ -133,6 +133,8 @@ def flash_attn_forward(
     runs = _padding_runs(attention_mask, sq, sk, int(window or 0)) if is_causal else None
     if runs is not None and sq == sk and all(end == sk for _, end in runs):  # left padding: the valid tokens, packed
         return _unpadded_attention(query, key, value, runs, scaling, window, softcap, dropout), None
+    if runs is not None and sq <= DECODE_MAX_QUERIES and all(end == sk or sq == 1 for _, end in runs):
+        return _attention_over_runs(query, key, value, runs, scaling, window, softcap, dropout), None
     if runs is not None:  # right padding: causal tiles skipped, the padded keys masked by a bias
         return _causal_with_padded_keys(query, key, value, runs, scaling, window, softcap, dropout), None
     if attention_mask is None:
@@ -298,6 +300,33 @@ def _unpadded_attention(query, key, value, runs, scaling, window, softcap, dropo
     out = packed.new_zeros(batch * seq, heads, d)
     out[rows] = packed
     return out.reshape(batch, seq, heads, d)
+
+
+def _attention_over_runs(query, key, value, runs, scaling, window, softcap, dropout) -> torch.Tensor:
+    """Decoding against a left-padded or static cache: each row's queries against only its kept keys
+    ``runs[b] = [start, end)``, rows with the same run in one launch (the decode kernel's, for few
+    queries), so the keys outside the run are never read -> [B, Sq, H, D]. Exact where the caller takes
+    it: a run that ends at the last key keeps the causal alignment and window of the whole row; a
+    single query sees every key of its run (the mask check put them all inside its causal window)."""
+    sk = key.shape[2]
+    out = query.new_empty(query.shape)
+    rows_by_run: dict[tuple[int, int], list[int]] = {}
+    for b, run in enumerate(runs):
+        rows_by_run.setdefault(run, []).append(b)
+    for (start, end), rows in rows_by_run.items():
+        index = torch.tensor(rows, device=query.device)
+        whole_row = end == sk
+        out[index] = flash_attention(
+            query[index],
+            key[index, :, start:end],
+            value[index, :, start:end],
+            scale=scaling,
+            causal=whole_row,
+            window=int(window) if whole_row and window else None,
+            softcap=softcap,
+            dropout=dropout,
+        )
+    return out.transpose(1, 2).contiguous()
 
 
 def _causal_with_padded_keys(query, key, value, runs, scaling, window, softcap, dropout) -> torch.Tensor:

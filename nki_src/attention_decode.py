@@ -1,0 +1,354 @@
+"""Flash attention for decoding, in NKI: a few queries per sequence against a long KV cache.
+
+The prefill kernel (``attention.py``) puts 128 queries on the partitions and streams keys along the
+free dimension. With one to a few queries per KV head that leaves most lanes idle and makes every
+engine walk the whole key range on one partition, and its K^T comes through the (slow) DMA transpose.
+This kernel turns the problem round: keys go on the partitions, the group's queries along the free
+dimension, so each engine touches ``keys / 128`` elements per query, and the run is as fast as the
+K/V bytes can be read.
+
+Semantics are the prefill kernel's (``flash_attn_fwd`` without bias or packed segments): GQA,
+causal masking aligned bottom-right (query i of Sq sees keys j <= i + Sk - Sq), a sliding window
+(keys j > i + Sk - Sq - window), logit softcapping, and a zero output for a row that sees no key.
+
+Dimensions
+    B batch, H query heads, Hkv KV heads, G = H / Hkv, Sq queries, Sk keys, D head dim (1..MAX_HEAD_DIM).
+    A KV group's rows are its G query heads x Sq queries, n = G * Sq <= MAX_GROUP_ROWS; row
+    r = h * Sq + i, the order the heads already have in q's memory.
+
+Tiling plan
+    Per (batch, KV head) the group's Q^T [D, n] stays in SBUF. The visible keys are cut into chunks of
+    ``rows x T`` keys, partition p holding the T consecutive keys ``k0 + p*T + t`` (one contiguous run of
+    T*D elements per partition, so K and V load at full DMA efficiency; see ``keys_per_partition``).
+    Per chunk:
+      - K^T on TensorE, one 128-key block (the keys of one t) at a time, TRANSPOSE_GROUP blocks per
+        PSUM tile, copied to SBUF by VectorE and ScalarE in turn (GpSimd cannot read PSUM);
+      - S^T [keys, n] = K Q^T per block into one PSUM bank (keys on partitions: K^T is the stationary
+        operand, Q^T the moving one, n columns);
+      - masked where the chunk crosses a causal or window edge (GpSimd ``affine_select`` on the key
+        and query indices), softcapped on ScalarE;
+      - the chunk's max per row: VectorE reduces each partition's T keys, GpSimd reduces across the
+        partitions, a ones-row matmul broadcasts it back to every partition;
+      - P^T = exp(scale * (S^T - max)) (VectorE subtract, ScalarE exp), already keys-on-partitions,
+        so it is the stationary operand of [P V | rowsum P] with V's ones column appended;
+      - the chunk's [P V | rowsum P] and max are merged into the running output (flash-decoding's
+        split-key combine: acc = acc * exp(m_old - m) + pv * exp(m_chunk - m)).
+    Chunks run through a software pipeline (``_STAGES``) across every (batch, KV head), so one
+    chunk's loads and transposes overlap an earlier chunk's softmax. Chunks that the window makes
+    invisible are never read.
+"""
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from ._common import MASKED_LOGIT_FLOOR, P, itemsize, tiles
+
+MAX_HEAD_DIM = P  # the contraction over D is one matmul
+MAX_GROUP_ROWS = P  # query rows of one KV group: they are the matmul's stationary columns in P V
+SCORE_COLUMNS = 512  # fp32 S^T columns per partition in one PSUM bank: T * n <= SCORE_COLUMNS
+CHUNK_BYTES = 4 * 1024  # K bytes per partition per chunk: a DMA saturates from 4 KiB per partition
+TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied out by one instruction
+FP32_MIN = -3.4028234663852886e38
+
+
+def check_shapes(q_shape, k_shape, v_shape):
+    """Raise ValueError naming the op, the shape and the limit for shapes the decode kernel cannot take."""
+    if len(q_shape) != 4 or len(k_shape) != 4 or tuple(k_shape) != tuple(v_shape):
+        raise ValueError(
+            f"flash_decode: q, k, v must be 4-D [B, H, S, D] with k and v alike, got {q_shape}, {k_shape}, {v_shape}"
+        )
+    b, h, sq, d = q_shape
+    kb, hkv, sk, kd = k_shape
+    if kb != b or kd != d or hkv < 1 or h % hkv:
+        raise ValueError(
+            f"flash_decode: q {tuple(q_shape)} does not fit k {tuple(k_shape)} (same B and D, H % Hkv == 0)"
+        )
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"flash_decode: head_dim {d} is outside the supported 1..{MAX_HEAD_DIM}")
+    if (h // hkv) * sq > MAX_GROUP_ROWS:
+        raise ValueError(
+            f"flash_decode: {h // hkv} query heads per KV head x {sq} queries = {(h // hkv) * sq} rows, above "
+            f"the limit of {MAX_GROUP_ROWS}"
+        )
+    if sq < 1 or sk < 1 or b < 1:
+        raise ValueError(f"flash_decode: empty input: q {tuple(q_shape)}, k {tuple(k_shape)}")
+
+
+def keys_per_partition(head_dim, element_bytes, rows):
+    """T, the consecutive keys each partition holds in a chunk: CHUNK_BYTES of K, and S^T for the
+    group's ``rows`` within one PSUM bank."""
+    return max(1, min(CHUNK_BYTES // (head_dim * element_bytes), SCORE_COLUMNS // rows))
+
+
+def chunk_plan(first, end, per_partition):
+    """(k0, partitions, T) chunks covering keys [first, end): full chunks of P x T keys, then the rest
+    as whole 128-key rows, then one partial row of single keys."""
+    chunks = []
+    k0 = first
+    while end - k0 >= P:
+        t = min(per_partition, (end - k0) // P)
+        chunks.append((k0, P, t))
+        k0 += P * t
+    if end > k0:
+        chunks.append((k0, end - k0, 1))
+    return chunks
+
+
+class _Group(nl.NKIObject):
+    """One (batch, KV head): Q^T, the running max (one column per row) and the running [P V | rowsum P]."""
+
+    def __init__(self, q, b, g, group, scale, softcap):
+        sq, d = q.shape[2], q.shape[3]
+        self.b, self.g, self.group, self.sq, self.d = b, g, group, sq, d
+        self.rows = group * sq
+        self.exp_scale = softcap if softcap else scale
+        self.scale, self.softcap, self.dtype = scale, softcap, q.dtype
+        self.q = q
+        self.q_t = None
+        self.run_max = None  # [rows, 1] fp32, in logit units (exp_scale * logit is the exponent)
+        self.acc = None  # [rows, D + 1] fp32
+
+    def load_queries(self):
+        """Q^T [D, rows]: the group's query heads are consecutive in q, so its rows are one [rows, D] block."""
+        rows, d = self.rows, self.d
+        src = self.q[self.b, self.g * self.group : (self.g + 1) * self.group, :, :].reshape((rows, d))
+        q_rows = nl.ndarray((rows, d), self.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=q_rows, src=src)
+        flipped = nl.ndarray((d, rows), self.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=flipped, data=q_rows)
+        self.q_t = nl.ndarray((d, rows), self.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=self.q_t, src=flipped)
+
+    def merge(self, chunk_max, pv):
+        """Fold a chunk's max column and [P V | rowsum P] (PSUM) into the running state."""
+        rows, d = self.rows, self.d
+        if self.acc is None:
+            self.run_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=self.run_max, src=chunk_max)
+            self.acc = nl.ndarray((rows, d + 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=self.acc, src=pv)
+            return
+        new_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=new_max, data1=self.run_max, data2=chunk_max, op=nl.maximum)
+        neg_new = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(
+            dst=neg_new, data=new_max, op0=nl.multiply, operand0=-self.exp_scale, engine=nisa.engine.gpsimd
+        )
+        old_weight = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=old_weight, op=nl.exp, data=self.run_max, scale=self.exp_scale, bias=neg_new)
+        chunk_weight = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=chunk_weight, op=nl.exp, data=chunk_max, scale=self.exp_scale, bias=neg_new)
+        weighted = nl.ndarray((rows, d + 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=weighted, data=pv, op0=nl.multiply, operand0=chunk_weight)
+        nisa.scalar_tensor_tensor(
+            dst=self.acc, data=self.acc, op0=nl.multiply, operand0=old_weight, op1=nl.add, operand1=weighted
+        )
+        self.run_max = new_max
+
+    def finish(self, out, lse_out):
+        """out = acc / rowsum (zero for a row that saw no key), lse = exp_scale * max + log(rowsum)."""
+        rows, d = self.rows, self.d
+        gpsimd = nisa.engine.gpsimd
+        heads = slice(self.g * self.group, (self.g + 1) * self.group)
+        result = nl.ndarray((rows, d), self.dtype, buffer=nl.sbuf)
+        lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        safe_sum = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=safe_sum, data=self.acc[:, d : d + 1], op0=nl.maximum, operand0=1e-30, engine=gpsimd)
+        nisa.tensor_scalar(dst=result, data=self.acc[:, 0:d], op0=nl.divide, operand0=safe_sum, engine=gpsimd)
+        nisa.activation(dst=lse, op=nl.log, data=safe_sum)
+        nisa.scalar_tensor_tensor(
+            dst=lse, data=self.run_max, op0=nl.multiply, operand0=self.exp_scale, op1=nl.add, operand1=lse
+        )
+        nisa.dma_copy(dst=out[self.b, heads, :, :].reshape((rows, d)), src=result)
+        nisa.dma_copy(dst=lse_out[self.b, heads, :].reshape((rows, 1)), src=lse)
+        self.q_t = self.acc = self.run_max = None
+
+
+class _Chunk(nl.NKIObject):
+    """Keys ``k0 + p*T + t`` (p < parts, t < T) of one group, on their way through the pipeline stages;
+    each stage drops what no later stage reads."""
+
+    def __init__(self, group, k0, parts, per_partition, causal_cut, window_cut, ones_row, one):
+        self.group, self.k0, self.parts, self.t = group, k0, parts, per_partition
+        self.causal_cut, self.window_cut = causal_cut, window_cut  # (offset, window) of the masks it crosses
+        self.ones_row, self.one = ones_row, one
+        self.keys = self.values = self.keys_t = self.logits = self.probs = None
+        self.first, self.last = False, False  # the group's first and last chunk
+
+    def load(self, k, v):
+        """K [parts, T, D] and V [parts, T, D + 1] (with a ones column), one contiguous run per partition."""
+        group, parts, t, d = self.group, self.parts, self.t, self.group.d
+        if self.first:
+            group.load_queries()
+        span = slice(self.k0, self.k0 + parts * t)
+        self.keys = nl.ndarray((parts, t, d), k.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.keys, src=k[group.b, group.g, span, :].reshape((parts, t, d)))
+        self.values = nl.ndarray((parts, t, d + 1), v.dtype, buffer=nl.sbuf)
+        # The ones column first: GpSimd runs its queue in order, and a memset issued behind the load
+        # would hold up everything GpSimd does for earlier chunks until the load lands.
+        nisa.memset(dst=self.values[:, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=self.values[:, :, 0:d], src=v[group.b, group.g, span, :].reshape((parts, t, d)))
+
+    def transpose_keys(self):
+        """K^T [D, T * parts] (block t at columns t*parts..): TensorE transposes, copied out by VectorE and ScalarE."""
+        parts, t, d, dtype = self.parts, self.t, self.group.d, self.keys.dtype
+        self.keys_t = nl.ndarray((d, t * parts), dtype, buffer=nl.sbuf)
+        for n, (t0, tc) in enumerate(tiles(t, TRANSPOSE_GROUP)):
+            flipped = nl.ndarray((d, tc * parts), dtype, buffer=nl.psum)
+            for j in range(tc):
+                nisa.nc_transpose(dst=flipped[:, j * parts : (j + 1) * parts], data=self.keys[:, t0 + j, :])
+            columns = self.keys_t[:, t0 * parts : (t0 + tc) * parts]
+            if (self.k0 // P + n) % 2:
+                nisa.activation(dst=columns, op=nl.copy, data=flipped)
+            else:
+                nisa.tensor_copy(dst=columns, src=flipped)
+        self.keys = None
+
+    def scores(self):
+        """S^T [parts, T, rows] = K Q^T in PSUM, then softcapped and masked where needed (into SBUF)."""
+        group, parts, t, rows = self.group, self.parts, self.t, self.group.rows
+        scores = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.psum)
+        for j in range(t):
+            nisa.nc_matmul(
+                dst=scores[:, j, :], stationary=self.keys_t[:, j * parts : (j + 1) * parts], moving=group.q_t
+            )
+        self.keys_t = None
+        logits = scores
+        if group.softcap:
+            logits = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=logits, op=nl.tanh, data=scores, scale=group.scale / group.softcap)
+        if self.causal_cut is not None or self.window_cut is not None:
+            if logits is scores:
+                logits = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=logits, src=scores)
+            # affine(p, t, h, i) over the free order (t, h, i): h (the query head) never matters.
+            sq, heads = group.sq, group.group
+            if self.causal_cut is not None:  # keep key <= i + offset: (offset - k0) - p*T - t + i >= 0
+                nisa.affine_select(
+                    dst=logits,
+                    pattern=[[-1, t], [0, heads], [1, sq]],
+                    channel_multiplier=-t,
+                    on_true_tile=logits,
+                    on_false_value=FP32_MIN,
+                    cmp_op=nl.greater_equal,
+                    offset=self.causal_cut - self.k0,
+                )
+            if self.window_cut is not None:  # keep key >= i + lowest: (k0 - lowest) + p*T + t - i >= 0
+                nisa.affine_select(
+                    dst=logits,
+                    pattern=[[1, t], [0, heads], [-1, sq]],
+                    channel_multiplier=t,
+                    on_true_tile=logits,
+                    on_false_value=FP32_MIN,
+                    cmp_op=nl.greater_equal,
+                    offset=self.k0 - self.window_cut,
+                )
+        self.logits = logits
+
+    def softmax(self):
+        """The chunk's max per row (reduced along T, then across partitions, then broadcast back by a
+        ones-row matmul) and P^T = exp(exp_scale * (logits - max))."""
+        group, parts, t, rows = self.group, self.parts, self.t, self.group.rows
+        lane_max = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=lane_max, op=nl.maximum, data=self.logits.permute((0, 2, 1)), axis=2)
+        row_max = nl.ndarray((1, rows), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_partition_reduce(dst=row_max, op=nl.maximum, data=lane_max)
+        # The floor keeps a row that sees no key of this chunk at a finite max (its probabilities are 0).
+        nisa.tensor_scalar(
+            dst=row_max,
+            data=row_max,
+            op0=nl.maximum,
+            operand0=MASKED_LOGIT_FLOOR / group.exp_scale,
+            engine=nisa.engine.gpsimd,
+        )
+        spread_psum = nl.ndarray((parts, rows), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=spread_psum, stationary=self.ones_row[:, 0:parts], moving=row_max)
+        spread = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)  # VectorE reads at most one PSUM input
+        nisa.activation(dst=spread, op=nl.copy, data=spread_psum)
+        shifted = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=shifted, data1=self.logits, data2=spread.expand_dims(1).broadcast(1, t), op=nl.subtract)
+        self.logits = None
+        self.probs = nl.ndarray((parts, t, rows), group.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=self.probs, op=nl.exp, data=shifted, scale=group.exp_scale)
+        column = nl.ndarray((rows, 1), nl.float32, buffer=nl.psum)  # the max, one row per partition
+        nisa.nc_matmul(dst=column, stationary=row_max, moving=self.one)
+        self.max_column = column
+
+    def multiply_values(self):
+        """[P V | rowsum P] over the chunk's T blocks in one PSUM bank, merged into the group's state."""
+        group, t = self.group, self.t
+        pv = nl.ndarray((group.rows, group.d + 1), nl.float32, buffer=nl.psum)
+        for j in range(t):
+            nisa.nc_matmul(dst=pv, stationary=self.probs[:, j, :], moving=self.values[:, j, :])
+        self.probs = self.values = None
+        group.merge(self.max_column, pv)
+        self.max_column = None
+
+
+# (stage, chunks ahead of the last stage): each engine's issue order within a tick.
+_STAGES = (("load", 3), ("transpose_keys", 2), ("scores", 1), ("softmax", 1), ("multiply_values", 0))
+_LEAD = max(lead for _, lead in _STAGES)
+
+
+@nki.jit
+def flash_decode_fwd(q, k, v, scale, causal, window, softcap):
+    """Attention of a few queries per sequence against a KV cache.
+
+    Args:
+        q: [B, H, Sq, D]; k, v: [B, Hkv, Sk, D] in HBM (bf16, fp16 or fp32, all one dtype), with
+            (H / Hkv) * Sq <= MAX_GROUP_ROWS and D <= MAX_HEAD_DIM.
+        scale: softmax scale (Python float).
+        causal: bool (aligned bottom-right); window: 0 (none) or keys per query; softcap: 0.0 (none) or the cap.
+
+    IO shapes:
+        returns (out [B, H, Sq, D] of q's dtype, lse [B, H, Sq] fp32 log-sum-exp of the scaled logits;
+        a row that sees no key gets a zero output and an lse near -1e30), as ``flash_attn_fwd``.
+    """
+    check_shapes(q.shape, k.shape, v.shape)
+    batch, heads, sq, d = q.shape
+    kv_heads, sk = k.shape[1], k.shape[2]
+    group_size = heads // kv_heads
+    rows = group_size * sq
+    out = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
+    lse_out = nl.ndarray((batch, heads, sq), nl.float32, buffer=nl.shared_hbm)
+    offset = sk - sq  # query i sees keys j <= i + offset (causal) and j >= i + offset - window + 1
+    lowest = max(0, offset - window + 1) if window else 0  # the first key any query sees
+    per_partition = keys_per_partition(d, itemsize(k.dtype), rows)
+    ones_row = nl.ndarray((1, P), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_row, value=1.0, engine=nisa.engine.gpsimd)
+    one = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=one, value=1.0, engine=nisa.engine.gpsimd)
+
+    chunks = []
+    for b in range(batch):
+        for g in range(kv_heads):
+            group = _Group(q, b, g, group_size, scale, softcap)
+            planned = chunk_plan(lowest, sk, per_partition)  # lowest < sk: offset - window + 1 <= sk - 1
+            for n, (k0, parts, t) in enumerate(planned):
+                last_key = k0 + parts * t - 1
+                chunk = _Chunk(
+                    group,
+                    k0,
+                    parts,
+                    t,
+                    offset if causal and last_key > offset else None,
+                    offset - window + 1 if window and k0 < sq - 1 + offset - window + 1 else None,
+                    ones_row,
+                    one,
+                )
+                chunk.first, chunk.last = n == 0, n == len(planned) - 1
+                chunks.append(chunk)
+    # A software pipeline over the chunks: at each tick every stage works on a different chunk,
+    # LEAD chunks apart, so loads run ahead of the transposes and those ahead of the softmax.
+    for n in range(-_LEAD, len(chunks)):
+        for stage, lead in _STAGES:
+            if 0 <= n + lead < len(chunks):
+                chunk = chunks[n + lead]
+                if stage == "load":
+                    chunk.load(k, v)
+                else:
+                    getattr(chunk, stage)()
+        if n >= 0 and chunks[n].last:
+            chunks[n].group.finish(out, lse_out)
+    return out, lse_out

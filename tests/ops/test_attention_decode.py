@@ -1,0 +1,166 @@
+"""The decode kernel (``nki_src/attention_decode.py``) behind the flash-attention op: which calls it serves,
+accuracy against the pure-torch reference (ragged chunks, GQA groups, windows, softcap, queries that
+see no key, head dims 8..128, fp32 tight and bf16 within torch's own bf16 error), its lse, gradients
+through it, its limits, and its HBM traffic (K and V read once per KV head, only the window's keys)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels_neuron import sim
+from kernels_neuron.ops import attention as ops
+from kernels_neuron.ops.attention import DECODE_MAX_QUERIES, attention_reference, flash_attention
+
+DECODE = ops._decode
+
+
+def _inputs(batch, heads, kv_heads, sq, sk, d, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, sq, d, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, sk, d, generator=gen) for _ in range(2))
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _kernels_run(fn):
+    with sim.capture() as traces:
+        result = fn()
+    return result, [t.kernel for t in traces]
+
+
+def _reference(q, k, v, **kwargs):
+    return attention_reference(q.float(), k.float(), v.float(), **kwargs)
+
+
+# (batch, heads, kv_heads, sq, sk, d, causal, window, softcap): chunks of 2048 keys at d = 128 in bf16
+# (4096 in fp32 at d = 64), so 77 keys is one partial row, 1100 a partial chunk plus single keys, 4500
+# two full chunks and a ragged rest; 8 query heads per KV head x 16 queries is the 128-row limit.
+CASES = [
+    (1, 1, 1, 1, 77, 64, True, None, None),
+    (2, 4, 2, 1, 1100, 128, True, None, None),
+    (1, 8, 2, 4, 4500, 128, True, None, None),
+    (1, 8, 1, 16, 1100, 64, True, None, None),
+    (2, 4, 1, 3, 4500, 128, True, 300, None),
+    (1, 2, 2, 5, 700, 8, True, 6, 2.0),
+    (1, 4, 2, 2, 1300, 80, False, None, 3.0),
+    (1, 2, 1, 16, 5, 16, True, None, None),  # Sq > Sk: the first 11 queries see no key
+]
+
+
+def _case_id(case):
+    batch, heads, kv_heads, sq, sk, d, causal, window, softcap = case
+    return f"b{batch}-h{heads}kv{kv_heads}-q{sq}-k{sk}-d{d}-{'causal' if causal else 'full'}-w{window}-cap{softcap}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_fp32_matches_the_reference_tightly_with_its_lse(case):
+    batch, heads, kv_heads, sq, sk, d, causal, window, softcap = case
+    q, k, v = _inputs(batch, heads, kv_heads, sq, sk, d)
+    kwargs = dict(causal=causal, window=window, softcap=softcap)
+    (out, lse), kernels = _kernels_run(lambda: flash_attention(q, k, v, return_lse=True, **kwargs))
+    assert kernels == ["flash_decode_fwd"]
+    torch.testing.assert_close(out, _reference(q, k, v, **kwargs), rtol=1e-5, atol=1e-5)
+    logits = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(heads // kv_heads, 1)) * d**-0.5
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    visible = ops._visible(sq, sk, causal, window, None, q.device)
+    seen = visible.any(-1).expand(batch, heads, sq)
+    expected_lse = logits.masked_fill(~visible, float("-inf")).logsumexp(-1)
+    assert seen.any()
+    torch.testing.assert_close(lse[seen], expected_lse[seen], rtol=1e-5, atol=1e-5)
+    assert (out[~seen] == 0).all() and (lse[~seen] < -1e29).all()  # rows that see no key: zeros, lse ~ -1e30
+
+
+@pytest.mark.parametrize("case", CASES[1:6], ids=_case_id)
+def test_bf16_error_is_within_twice_torchs_own_bf16_error(case):
+    batch, heads, kv_heads, sq, sk, d, causal, window, softcap = case
+    q, k, v = _inputs(batch, heads, kv_heads, sq, sk, d, torch.bfloat16, seed=1)
+    kwargs = dict(causal=causal, window=window, softcap=softcap)
+    exact = _reference(q, k, v, **kwargs)
+    if softcap:
+        torch_bf16 = attention_reference(q, k, v, **kwargs)
+    else:
+        keep = ops._visible(sq, sk, causal, window, None, q.device)
+        group = heads // kv_heads
+        torch_bf16 = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=keep
+        )
+    kernel, kernels = _kernels_run(lambda: flash_attention(q, k, v, **kwargs))
+    assert kernels == ["flash_decode_fwd"] and kernel.dtype == torch.bfloat16
+    torch_error, kernel_error = (torch_bf16.float() - exact).abs().max(), (kernel.float() - exact).abs().max()
+    assert torch_error > 0  # the comparison means something only if bf16 loses precision here
+    assert kernel_error <= 2 * torch_error, (kernel_error, torch_error)
+
+
+def test_fp16_and_a_custom_scale():
+    q, k, v = _inputs(1, 4, 2, 2, 600, 64, torch.float16, seed=2)
+    out, kernels = _kernels_run(lambda: flash_attention(q, k, v, causal=True, scale=0.3))
+    assert kernels == ["flash_decode_fwd"] and out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), _reference(q, k, v, causal=True, scale=0.3), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "shape, kwargs, kernel",
+    [
+        ((1, 4, 2, DECODE_MAX_QUERIES, 300, 64), {}, "flash_decode_fwd"),
+        ((1, 4, 2, DECODE_MAX_QUERIES + 1, 300, 64), {}, "flash_attn_fwd"),  # a chunk of prefill
+        ((1, 16, 1, 16, 300, 64), {}, "flash_attn_fwd"),  # 256 rows per KV head, above the 128-row limit
+        ((1, 4, 2, 1, 300, 256), {}, "flash_attn_fwd"),  # head_dim above 128
+        ((1, 4, 2, 1, 300, 64), {"attention_mask": torch.ones(1, 1, 1, 300, dtype=torch.bool)}, "flash_attn_fwd"),
+    ],
+    ids=["16-queries", "17-queries", "256-rows", "d256", "mask"],
+)
+def test_the_op_serves_few_queries_without_a_mask_with_the_decode_kernel(shape, kwargs, kernel):
+    q, k, v = _inputs(*shape)
+    out, kernels = _kernels_run(lambda: flash_attention(q, k, v, causal=True, **kwargs))
+    assert kernels == [kernel]
+    torch.testing.assert_close(out, _reference(q, k, v, causal=True, **kwargs), rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_through_the_decode_forward_match_the_reference():
+    """The backward (the flash-attention backward kernel) rebuilds probabilities from the decode kernel's lse."""
+    q, k, v = _inputs(1, 4, 2, 3, 700, 64, seed=3)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    kwargs = dict(causal=True, window=200, softcap=4.0)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves, **kwargs).backward(grad)
+        return [t.grad for t in leaves]
+
+    with sim.capture() as traces:
+        kernel = grads(flash_attention)
+    assert [t.kernel for t in traces] == ["flash_decode_fwd", "flash_attn_bwd"]
+    expected = grads(attention_reference)
+    for got, want in zip(kernel, expected):
+        assert want.abs().max() > 1e-3  # non-zero gradients, so the comparison can fail
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ((1, 16, 1, 9, 100, 64), "16 query heads per KV head x 9 queries = 144 rows, above the limit of 128"),
+        ((1, 2, 1, 1, 100, 160), "head_dim 160 is outside the supported 1..128"),
+    ],
+)
+def test_the_kernel_names_the_limit_it_refuses(shape, match):
+    q, k, v = _inputs(*shape)
+    with pytest.raises(ValueError, match=match):
+        sim.run(DECODE.flash_decode_fwd, q, k, v, 0.125, True, 0, 0.0)
+
+
+@pytest.mark.parametrize("window", [0, 1000])
+def test_k_and_v_are_read_once_per_kv_head_and_only_inside_the_window(window):
+    """Every query head of a KV group is served from one read of its K and V, and keys no query can see
+    (before the window) are never read; the output and lse are the only writes."""
+    batch, heads, kv_heads, sq, sk, d = 2, 8, 2, 1, 5000, 128
+    q, k, v = _inputs(batch, heads, kv_heads, sq, sk, d, torch.bfloat16)
+    result = sim.run(DECODE.flash_decode_fwd, q, k, v, d**-0.5, True, window, 0.0)
+    keys_read = min(sk, window) if window else sk
+    expected_read = q.nbytes + 2 * batch * kv_heads * keys_read * d * 2
+    read = sum(i.hbm_bytes_read for i in result.trace.instructions)
+    assert read == expected_read, (read, expected_read)
+    out, lse = result.outputs
+    assert result.trace.hbm_bytes_written == out.nbytes + lse.nbytes
+    expected = _reference(q, k, v, causal=True, window=window or None)
+    assert (out.float() - expected).abs().max() < 2e-2 * expected.abs().max()
