@@ -25,6 +25,7 @@ from kernels_neuron import sim
 sim.install()  # the kernels import ``nki``: real NKI on a Trainium host, else the simulator
 from kernels_neuron.sim.examples import tiled_matmul  # noqa: E402
 from nki_src.attention import flash_attn_bwd, flash_attn_fwd  # noqa: E402
+from nki_src.attention_decode import flash_decode_fwd  # noqa: E402
 from nki_src.layernorm import layernorm_bwd, layernorm_fwd  # noqa: E402
 from nki_src.mlp import mlp_bwd, mlp_fwd, plain_mlp_bwd, plain_mlp_fwd, saved_shape  # noqa: E402
 from nki_src.moe import moe_fwd  # noqa: E402
@@ -279,6 +280,40 @@ def attention_case(
     )
 
 
+def _decode_inputs(batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+    q = _draw(rng, batch, heads, sq, d)
+    k, v = _draw(rng, batch, kv_heads, sk, d), _draw(rng, batch, kv_heads, sk, d)
+    return (q, k, v, d**-0.5, True, 0, 0.0)
+
+
+def _decode_forward(q, k, v, scale, causal, window, softcap):
+    """transformers' attention for a few queries against a cache: sdpa with GQA for one query, else the
+    eager path (sdpa's ``is_causal`` aligns top-left, a cache needs bottom-right)."""
+    if q.shape[2] == 1:
+        return partial(F.scaled_dot_product_attention, q, k, v, scale=scale, enable_gqa=True)
+    return partial(attention_reference, q, k, v, scale=scale, causal=causal)
+
+
+def decode_case(name: str, model: str, batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int = 128) -> Case:
+    """The decode kernel (what the flash-attention op runs for up to 16 queries without a mask): ``sq``
+    queries of ``heads`` query heads per sequence against ``sk`` cached keys of ``kv_heads`` KV heads,
+    causal, bf16. Memory-bound: the roofline is reading K and V once."""
+    return Case(
+        name=name,
+        kernel=flash_decode_fwd,
+        make_inputs=partial(_decode_inputs, batch, heads, kv_heads, sq, sk, d),
+        shape={"B": batch, "H": heads, "Hkv": kv_heads, "Sq": sq, "Sk": sk, "d": d},
+        dtype="bfloat16",
+        model=model,
+        reference_name="scaled_dot_product_attention"
+        if sq == 1
+        else "eager attention (transformers' eager_attention_forward)",
+        prepare_reference=_decode_forward,
+        standard_flops=4 * batch * heads * sq * sk * d,
+    )
+
+
 def _draw(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
     """Standard-normal bf16 values of ``shape`` scaled by ``scale`` (drawn in fp32, rounded once)."""
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
@@ -493,11 +528,15 @@ CASES: list[Case] = [
     attention_case(
         "attention-fwd/gemma2-9b/softcap-d256-4096", "Gemma-2-9B", 4096, 4096, d=256, window=4096, softcap=50.0
     ),
-    attention_case("attention-fwd/qwen3-8b/decode-1-of-4096", "Qwen3-8B", 1, 4096),
-    # Speculative / chunked decode: a few queries per sequence against a long cache (baselines for the
-    # decode path the kernel does not have yet).
-    attention_case("attention-fwd/llama3-8b/spec-decode-4-of-4096", "Llama-3-8B", 4, 4096),
-    attention_case("attention-fwd/llama3-8b/spec-decode-16-of-4096", "Llama-3-8B", 16, 4096),
+    # Decoding (the decode kernel): one query head against one KV head's cache, as these cases measured
+    # before the decode kernel; then whole layers (32 query heads over 8 KV heads, GQA) at batch 1 and 8.
+    decode_case("attention-fwd/qwen3-8b/decode-1-of-4096", "Qwen3-8B", 1, 1, 1, 1, 4096),
+    decode_case("attention-fwd/qwen3-8b/decode-gqa-b1-of-4096", "Qwen3-8B", 1, 32, 8, 1, 4096),
+    decode_case("attention-fwd/llama3-8b/decode-gqa-b8-of-4096", "Llama-3-8B", 8, 32, 8, 1, 4096),
+    # Speculative / chunked decode: a few queries per sequence against a long cache.
+    decode_case("attention-fwd/llama3-8b/spec-decode-4-of-4096", "Llama-3-8B", 1, 1, 1, 4, 4096),
+    decode_case("attention-fwd/llama3-8b/spec-decode-16-of-4096", "Llama-3-8B", 1, 1, 1, 16, 4096),
+    decode_case("attention-fwd/mistral-7b/spec-decode-4-gqa-b1-of-4096", "Mistral-7B", 1, 32, 8, 4, 4096),
     # Packed training batches (TRL's padding-free packing): one launch over the sequences, against one of
     # them alone (the packed case should cost about 4x it).
     attention_case("attention-fwd/qwen3-8b/packed-4x256", "Qwen3-8B", 1024, 1024, packed=(256, 256, 256, 256)),
