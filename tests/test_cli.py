@@ -41,4 +41,6 @@ def test_demo_kernelizes_qwen3_and_matches(capsys):
     out = capsys.readouterr().out
     assert "13 swapped, 0 kept their own forward" in out  # 9 norms, 2 MLPs and 2 attention modules
     assert "same tokens: yes" in out and "demo passed" in out
-    assert "modelled Trn2 estimate, not measured" in out and "rmsnorm_fwd" in out and "flash_attn_fwd" in out
+    assert (
+        "modelled Trn2 estimate, not measured" in out and "rmsnorm_fwd" in out and "flash_decode_fwd" in out
+    )  # a 16-token prompt: the decode kernel
