@@ -164,3 +164,81 @@ def test_k_and_v_are_read_once_per_kv_head_and_only_inside_the_window(window):
     assert result.trace.hbm_bytes_written == out.nbytes + lse.nbytes
     expected = _reference(q, k, v, causal=True, window=window or None)
     assert (out.float() - expected).abs().max() < 2e-2 * expected.abs().max()
+
+
+# --- per-row key ranges: ragged caches, left padding --------------------------------------------------------
+
+RANGES = [(0, 700), (100, 1300), (5, 5), (1290, 1300)]  # ragged, offset, empty, shorter than the queries
+
+
+def _per_row_reference(q, k, v, ranges, **kwargs):
+    out = torch.zeros(q.shape)
+    for b, (start, end) in enumerate(ranges):
+        if end > start:
+            out[b : b + 1] = _reference(q[b : b + 1], k[b : b + 1, :, start:end], v[b : b + 1, :, start:end], **kwargs)
+    return out
+
+
+@pytest.mark.parametrize(
+    "sq, kwargs, kernel",
+    [
+        (3, dict(causal=True), "flash_decode_fwd"),
+        (2, dict(causal=True, window=150, softcap=2.5), "flash_decode_fwd"),
+        (1, dict(causal=False), "flash_decode_fwd"),
+        (17, dict(causal=True, window=150), "flash_attn_fwd"),  # beyond the decode kernel: a launch per range
+    ],
+    ids=["causal", "window-softcap", "full", "17-queries"],
+)
+def test_each_row_attends_only_to_its_key_range(sq, kwargs, kernel):
+    q, k, v = _inputs(len(RANGES), 4, 2, sq, 1300, 64, seed=5)
+    out, kernels = _kernels_run(lambda: ops.decode_attention(q, k, v, RANGES, **kwargs))
+    assert set(kernels) == {kernel} and (len(kernels) == 1) == (kernel == "flash_decode_fwd")
+    torch.testing.assert_close(out, _per_row_reference(q, k, v, RANGES, **kwargs), rtol=1e-5, atol=1e-5)
+    assert (out[2] == 0).all() and out[0].abs().max() > 0  # the empty range gives zeros, the others do not
+
+
+def test_keys_outside_the_ranges_are_never_read():
+    q, k, v = _inputs(len(RANGES), 4, 2, 1, 1300, 64, torch.bfloat16)
+    result = sim.run(DECODE.flash_decode_fwd, q, k, v, 0.125, True, 0, 0.0, tuple(RANGES))
+    keys = sum(end - start for start, end in RANGES)
+    read = sum(i.hbm_bytes_read for i in result.trace.instructions)
+    assert read == 2 * 2 * keys * 64 * 2 + sum(  # K and V of both KV heads, and the queries of rows with keys
+        q[b].nbytes for b, (start, end) in enumerate(RANGES) if end > start
+    )
+
+
+def test_gradients_through_key_ranges_match_each_row_alone():
+    q, k, v = _inputs(len(RANGES), 4, 2, 2, 1300, 64, seed=6)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(7))
+    kwargs = dict(causal=True, window=300, softcap=3.0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with sim.capture() as traces:
+        ops.decode_attention(*leaves, RANGES, **kwargs).backward(grad)
+    assert [t.kernel for t in traces] == ["flash_decode_fwd", "flash_attn_bwd"]
+    expected = [t.clone().requires_grad_() for t in (q, k, v)]
+    _per_row_reference(*expected, RANGES, **kwargs).backward(grad)
+    for got, want in zip(leaves, expected):
+        assert want.grad.abs().max() > 1e-3  # non-zero gradients, so the comparison can fail
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+    assert (leaves[1].grad[0, :, 700:] == 0).all()  # keys outside row 0's range get no gradient
+
+
+def test_the_decode_op_contract():
+    q, k, v = _inputs(2, 4, 2, 2, 40, 64, seed=8)
+    args = (0.125, True, 7, 2.5, [3, 40, 0, 25])
+    torch.library.opcheck(ops.flash_decode_fwd, (q, k, v, *args))
+    torch.library.opcheck(ops.flash_decode_fwd, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), *args))
+
+
+@pytest.mark.parametrize(
+    "ranges, match",
+    [
+        ([(0, 10)], "one \\(start, end\\) with 0 <= start <= end <= 40 per batch row \\(2\\)"),
+        ([(0, 10), (5, 41)], "one \\(start, end\\) with 0 <= start <= end <= 40 per batch row"),
+        ([(0, 10), (6, 5)], "one \\(start, end\\) with 0 <= start <= end <= 40 per batch row"),
+    ],
+)
+def test_bad_key_ranges_get_a_clear_error(ranges, match):
+    q, k, v = _inputs(2, 4, 2, 1, 40, 64)
+    with pytest.raises(ValueError, match=match):
+        ops.decode_attention(q, k, v, ranges)

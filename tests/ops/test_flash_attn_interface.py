@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kernels_neuron import sim
 from kernels_neuron.ops.attention import attention_reference
 from kernels_neuron.ops.flash_attn_interface import (
     flash_attn_forward,
@@ -214,18 +215,20 @@ def test_flash_attn_with_kvcache_appends_and_attends(paged):
         v_cache[table.flatten().long()] = dense_v.reshape(-1, block, 2, 64)
     else:
         table, k_cache, v_cache = None, dense_k.clone(), dense_v.clone()
-    out, lse = flash_attn_with_kvcache(
-        q,
-        k_cache,
-        v_cache,
-        new_k,
-        new_v,
-        cache_seqlens=lengths,
-        block_table=table,
-        causal=True,
-        return_softmax_lse=True,
-    )
+    with sim.capture() as traces:
+        out, lse = flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            new_k,
+            new_v,
+            cache_seqlens=lengths,
+            block_table=table,
+            causal=True,
+            return_softmax_lse=True,
+        )
     assert out.shape == q.shape and lse.shape == (batch, 4, 2)
+    assert [t.kernel for t in traces] == ["flash_decode_fwd"]  # ragged lengths, paged or not: one launch
     for b, n in enumerate(lengths.tolist()):
         keys = torch.cat([dense_k[b, :n], new_k[b]])
         values = torch.cat([dense_v[b, :n], new_v[b]])
@@ -237,8 +240,6 @@ def test_flash_attn_with_kvcache_appends_and_attends(paged):
 
 
 def test_flash_attn_with_kvcache_equal_lengths_decode_in_one_launch():
-    from kernels_neuron import sim
-
     q, k_cache, v_cache = _randn(2, 1, 4, 64, seed=1), _randn(2, 20, 2, 64, seed=2), _randn(2, 20, 2, 64, seed=3)
     with sim.capture() as traces:
         out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=12, causal=True, softcap=1.5)

@@ -7,10 +7,14 @@
 - ``attention_reference(...)``: the same semantics in plain torch (tests, and the explicit fallback);
   ``attention_backward_reference(...)``: the backward with the NKI backward kernel's signature.
 
+- ``decode_attention(q, k, v, key_ranges, ...)``: a few queries per sequence against a padded KV cache,
+  each batch row attending to its own range of cache positions.
+
 Decoding (at most ``DECODE_MAX_QUERIES`` queries per sequence, no mask or packing, head_dim <= 128,
 and at most 128 query rows per KV head) runs the decode kernel (``nki_src/attention_decode.py``: keys
 on the partitions, every query head of a KV group served from one K/V read, any number of keys in one
-launch); everything else, and every backward, runs the flash-attention kernel (``nki_src/attention.py``).
+launch, ragged per-row key ranges) through the ``flash_decode_fwd`` op; everything else, and every
+backward, runs the flash-attention kernel (``nki_src/attention.py``).
 
 Semantics are ``torch.nn.functional.scaled_dot_product_attention`` plus: causal masking aligned as
 transformers aligns it when ``Sq < Sk`` (a KV cache: the last query sees the last key), a sliding
@@ -175,19 +179,6 @@ def _validate_op(q, k, v, bias, cu_seqlens) -> None:
         )
 
 
-def _decodes(q: torch.Tensor, k: torch.Tensor, bias, cu_seqlens) -> bool:
-    """Whether the decode kernel serves this forward: few queries, no bias or packing, within its limits."""
-    sq, d = q.shape[2], q.shape[3]
-    rows = (q.shape[1] // k.shape[1]) * sq
-    return (
-        bias is None
-        and cu_seqlens is None
-        and sq <= DECODE_MAX_QUERIES
-        and rows <= _decode.MAX_GROUP_ROWS
-        and d <= _decode.MAX_HEAD_DIM
-    )
-
-
 @define_op(f"{_NS}::flash_attn_fwd")
 def flash_attn_fwd(
     q: torch.Tensor,
@@ -202,8 +193,6 @@ def flash_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, H, Sq, D] forward: (out in q's dtype, lse [B, H, Sq] fp32)."""
     _validate_op(q, k, v, bias, cu_seqlens)
-    if _decodes(q, k, bias, cu_seqlens):
-        return run_kernel(_decode.flash_decode_fwd, q, k, v, float(scale), bool(causal), int(window), float(softcap))
     return launches.forward(
         _kernels.flash_attn_fwd,
         q,
@@ -283,6 +272,97 @@ def _backward(ctx, grad_out, _grad_lse):
 torch.library.register_autograd(f"{_NS}::flash_attn_fwd", _backward, setup_context=_setup_context)
 
 
+def decodes(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the decode kernel takes q ``[B, H, Sq, D]`` against k ``[B, Hkv, Sk, D]``: at most
+    ``DECODE_MAX_QUERIES`` queries, head_dim and query rows per KV head within its limits."""
+    sq, d = q.shape[2], q.shape[3]
+    rows = (q.shape[1] // k.shape[1]) * sq
+    return sq <= DECODE_MAX_QUERIES and rows <= _decode.MAX_GROUP_ROWS and d <= _decode.MAX_HEAD_DIM
+
+
+def _ranges(key_ranges: list[int], batch: int) -> tuple[tuple[int, int], ...] | None:
+    """The op's flat ``[start0, end0, start1, end1, ...]`` (empty: whole rows) as the kernel's pairs."""
+    if not key_ranges:
+        return None
+    if len(key_ranges) != 2 * batch:
+        raise ValueError(
+            f"flash_decode_fwd: key_ranges needs a (start, end) pair per batch row ({batch}), got {key_ranges}"
+        )
+    return tuple(zip(key_ranges[0::2], key_ranges[1::2]))
+
+
+def _validate_decode(q, k, v, key_ranges) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor("flash_decode_fwd", name, t)
+    _decode.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    _decode.check_key_ranges(_ranges(key_ranges, q.shape[0]), q.shape[0], k.shape[2])
+
+
+@define_op(f"{_NS}::flash_decode_fwd")
+def flash_decode_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int,
+    softcap: float,
+    key_ranges: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel: (out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] fp32). ``key_ranges``: empty,
+    or ``[start, end]`` per batch row, the cache positions the row attends to (aligned at ``end``)."""
+    _validate_decode(q, k, v, key_ranges)
+    return run_kernel(
+        _decode.flash_decode_fwd,
+        q,
+        k,
+        v,
+        float(scale),
+        bool(causal),
+        int(window),
+        float(softcap),
+        _ranges(key_ranges, q.shape[0]),
+    )
+
+
+@flash_decode_fwd.register_fake
+def _(q, k, v, scale, causal, window, softcap, key_ranges):
+    _validate_decode(q, k, v, key_ranges)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _range_mask(q, sk, key_ranges, causal, window) -> torch.Tensor:
+    """[B, 1, Sq, Sk] additive 0/-inf mask of what each decode row sees (its range, causal and window at
+    the range's end): the decode forward's visibility, for the flash-attention backward kernel."""
+    batch, sq = q.shape[0], q.shape[2]
+    ranges = _ranges(key_ranges, batch) or ((0, sk),) * batch
+    keep = torch.zeros(batch, 1, sq, sk, dtype=torch.bool, device=q.device)
+    for b, (start, end) in enumerate(ranges):
+        if end > start:
+            # Aligned at the range's end: the slice's own bottom-right causal alignment and window.
+            keep[b, 0, :, start:end] = _visible(sq, end - start, causal, window or None, None, q.device)
+    return torch.zeros(keep.shape, device=q.device).masked_fill(~keep, float("-inf"))
+
+
+def _setup_decode_context(ctx, inputs, output):
+    q, k, v, scale, causal, window, softcap, key_ranges = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = (scale, causal, window, softcap, list(key_ranges))
+
+
+def _decode_backward(ctx, grad_out, _grad_lse):
+    """The flash-attention backward kernel, with the decode rows' visibility as a mask."""
+    q, k, v, out, lse = ctx.saved_tensors
+    scale, causal, window, softcap, key_ranges = ctx.options
+    bias = _range_mask(q, k.shape[2], key_ranges, causal, window)
+    dq, dk, dv = flash_attn_bwd(grad_out, q, k, v, out, lse, bias, scale, False, 0, softcap, None)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd(f"{_NS}::flash_decode_fwd", _decode_backward, setup_context=_setup_decode_context)
+
+
 # --- public functions -----------------------------------------------------------------------------------
 
 
@@ -316,6 +396,8 @@ def flash_attention(
     _check_qkv(op, q, k, v, "B, H, S, D")
     _check_options(op, scale, window, softcap, dropout)
     batch, heads, sq, d = q.shape
+    if attention_mask is None and decodes(q, k):
+        return _run_decode(q, k, v, [], scale, causal, window, softcap, return_lse)
     bias = mask_to_bias(op, attention_mask, (batch, heads, sq, k.shape[2]), q.device)
     out, lse = flash_attn_fwd(
         q.contiguous(),
@@ -327,6 +409,71 @@ def flash_attention(
         int(window or 0),
         float(softcap or 0.0),
         None,
+    )
+    return (out, lse) if return_lse else out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_ranges: list[tuple[int, int]],
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+):
+    """A few queries per sequence against a padded KV cache: row ``b`` of q ``[B, H, Sq, D]`` attends to
+    the cache positions ``key_ranges[b] = (start, end)`` of k/v ``[B, Hkv, Sk, D]``, its queries being
+    the last ``Sq`` positions before ``end`` (causal and window aligned there); a row with an empty
+    range gets zeros. One launch of the decode kernel, which never reads keys outside the ranges, when
+    it takes the shapes (:func:`decodes`); else one flash-attention launch per distinct range.
+    """
+    op = "decode_attention"
+    q, k, v = _autocast(q, k, v)
+    _check_qkv(op, q, k, v, "B, H, S, D")
+    _check_options(op, scale, window, softcap, 0.0)
+    if len(key_ranges) != q.shape[0] or any(not 0 <= s <= e <= k.shape[2] for s, e in key_ranges):
+        raise ValueError(
+            f"{op}: key_ranges must hold one (start, end) with 0 <= start <= end <= {k.shape[2]} per batch "
+            f"row ({q.shape[0]}), got {list(key_ranges)}"
+        )
+    if decodes(q, k):
+        flat = [int(x) for pair in key_ranges for x in pair]
+        return _run_decode(q, k, v, flat, scale, causal, window, softcap, return_lse)
+    out = q.new_zeros(q.shape)
+    lse = q.new_full(q.shape[:3], MASKED_LOGIT, dtype=torch.float32)
+    rows_by_range: dict[tuple[int, int], list[int]] = {}
+    for b, (start, end) in enumerate(key_ranges):
+        rows_by_range.setdefault((int(start), int(end)), []).append(b)
+    for (start, end), rows in rows_by_range.items():
+        if end > start:
+            index = torch.tensor(rows, device=q.device)
+            out[index], lse[index] = flash_attention(
+                q[index],
+                k[index, :, start:end],
+                v[index, :, start:end],
+                scale=scale,
+                causal=causal,
+                window=window,
+                softcap=softcap,
+                return_lse=True,
+            )
+    return (out, lse) if return_lse else out
+
+
+def _run_decode(q, k, v, flat_ranges, scale, causal, window, softcap, return_lse):
+    out, lse = flash_decode_fwd(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        float(scale) if scale is not None else q.shape[3] ** -0.5,
+        bool(causal),
+        int(window or 0),
+        float(softcap or 0.0),
+        flat_ranges,
     )
     return (out, lse) if return_lse else out
 

@@ -11,7 +11,7 @@ from ._verify import verify_variant
 verify_variant(Path(__file__).parent)
 
 from . import layers  # noqa: E402
-from .attention import flash_attention, flash_attn_varlen, attention_reference  # noqa: E402
+from .attention import flash_attention, flash_attn_varlen, decode_attention, attention_reference  # noqa: E402
 from .flash_attn_interface import flash_attn_forward, supports_flash_attn, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, unsupported_reasons  # noqa: E402
 
-__all__ = ['layers', 'flash_attention', 'flash_attn_varlen', 'attention_reference', 'flash_attn_forward', 'supports_flash_attn', 'flash_attn_func', 'flash_attn_varlen_func', 'flash_attn_with_kvcache', 'unsupported_reasons']
+__all__ = ['layers', 'flash_attention', 'flash_attn_varlen', 'decode_attention', 'attention_reference', 'flash_attn_forward', 'supports_flash_attn', 'flash_attn_func', 'flash_attn_varlen_func', 'flash_attn_with_kvcache', 'unsupported_reasons']

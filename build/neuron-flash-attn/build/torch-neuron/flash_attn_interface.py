@@ -15,7 +15,6 @@ left of the query, so it is the kernel's window ``left + 1``; a right window nee
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -24,7 +23,14 @@ from typing import TypeVar
 import torch
 
 from ._backend import SUPPORTED_FLOAT_DTYPES, autocast_dtype, check_float_tensor, is_dtensor
-from .attention import DECODE_MAX_QUERIES, MAX_HEAD_DIM, _check_options, flash_attention, flash_attn_varlen
+from .attention import (
+    DECODE_MAX_QUERIES,
+    MAX_HEAD_DIM,
+    _check_options,
+    decode_attention,
+    flash_attention,
+    flash_attn_varlen,
+)
 
 _Result = TypeVar("_Result")
 
@@ -304,28 +310,12 @@ def _unpadded_attention(query, key, value, runs, scaling, window, softcap, dropo
 
 def _attention_over_runs(query, key, value, runs, scaling, window, softcap, dropout) -> torch.Tensor:
     """Decoding against a left-padded or static cache: each row's queries against only its kept keys
-    ``runs[b] = [start, end)``, rows with the same run in one launch (the decode kernel's, for few
-    queries), so the keys outside the run are never read -> [B, Sq, H, D]. Exact where the caller takes
-    it: a run that ends at the last key keeps the causal alignment and window of the whole row; a
-    single query sees every key of its run (the mask check put them all inside its causal window)."""
-    sk = key.shape[2]
-    out = query.new_empty(query.shape)
-    rows_by_run: dict[tuple[int, int], list[int]] = {}
-    for b, run in enumerate(runs):
-        rows_by_run.setdefault(run, []).append(b)
-    for (start, end), rows in rows_by_run.items():
-        index = torch.tensor(rows, device=query.device)
-        whole_row = end == sk
-        out[index] = flash_attention(
-            query[index],
-            key[index, :, start:end],
-            value[index, :, start:end],
-            scale=scaling,
-            causal=whole_row,
-            window=int(window) if whole_row and window else None,
-            softcap=softcap,
-            dropout=dropout,
-        )
+    ``runs[b] = [start, end)`` (:func:`decode_attention`: one launch of the decode kernel, which never
+    reads the keys outside the runs) -> [B, Sq, H, D]. Exact where the caller takes it: a run that ends
+    at the last key keeps the causal alignment and window of the whole row; a single query sees every
+    key of its run (the mask check put them all inside its causal window)."""
+    _check_options(_OP, scaling, window, softcap, dropout)
+    out = decode_attention(query, key, value, runs, scale=scaling, causal=True, window=window, softcap=softcap)
     return out.transpose(1, 2).contiguous()
 
 
@@ -591,38 +581,43 @@ def flash_attn_with_kvcache(
     lengths = _check_kvcache(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     window = _window(window_size, causal, op)
     _check_options(op, softmax_scale, window, softcap or None, 0.0)
-    batch, sq = q.shape[0], q.shape[1]
+    batch = q.shape[0]
     new = 0 if k is None else k.shape[1]
-    attend = functools.partial(
-        flash_attention, scale=softmax_scale, causal=causal, window=window, softcap=softcap or None, return_lse=True
-    )
-    keys, values = [], []
-    for b, length in enumerate(lengths):
-        if k is not None and v is not None:  # _check_kvcache: both or neither
+    totals = [length + new for length in lengths]
+    longest = max(totals)
+    kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+    if k is not None and v is not None:  # _check_kvcache: both or neither
+        for b, length in enumerate(lengths):
             rows, slots = _cache_positions(
-                k_cache, block_table, b, torch.arange(length, length + new, device=k_cache.device)
+                k_cache, block_table, b, torch.arange(length, totals[b], device=k_cache.device)
             )
             k_cache[rows, slots] = k[b].to(k_cache.dtype)
             v_cache[rows, slots] = v[b].to(v_cache.dtype)
-        rows, slots = _cache_positions(k_cache, block_table, b, torch.arange(length + new, device=k_cache.device))
-        keys.append(k_cache[rows, slots])
-        values.append(v_cache[rows, slots])
+    if block_table is None:
+        keys, values = k_cache[:batch, :longest], v_cache[:batch, :longest]
+    else:  # a paged cache: each sequence's blocks gathered into rows (by torch, not by the kernel)
+        keys = k_cache.new_zeros(batch, longest, kv_heads, d)
+        values = v_cache.new_zeros(batch, longest, kv_heads, d)
+        for b, total in enumerate(totals):
+            rows, slots = _cache_positions(k_cache, block_table, b, torch.arange(total, device=k_cache.device))
+            keys[b, :total], values[b, :total] = k_cache[rows, slots], v_cache[rows, slots]
     query = q.transpose(1, 2)
-    if len({len(x) for x in keys}) == 1 and keys[0].shape[0] > 0:  # one launch for the whole batch
-        out, lse = attend(query, torch.stack(keys).transpose(1, 2), torch.stack(values).transpose(1, 2))
+    if longest == 0:  # nothing cached and nothing new: no key to see
+        out = torch.zeros_like(query)
+        lse = query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32)
     else:
-        outs, lses = [], []
-        for b in range(batch):
-            if keys[b].shape[0] == 0:
-                outs.append(query.new_zeros((1,) + tuple(query.shape[1:])))
-                lses.append(query.new_full((1, query.shape[1], sq), float("-inf"), dtype=torch.float32))
-                continue
-            seq_out, seq_lse = attend(
-                query[b : b + 1], keys[b].transpose(0, 1).unsqueeze(0), values[b].transpose(0, 1).unsqueeze(0)
-            )
-            outs.append(seq_out)
-            lses.append(seq_lse)
-        out, lse = torch.cat(outs), torch.cat(lses)
+        out, lse = decode_attention(
+            query,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            [(0, total) for total in totals],
+            scale=softmax_scale,
+            causal=causal,
+            window=window,
+            softcap=softcap or None,
+            return_lse=True,
+        )
+        lse[torch.tensor(totals, device=lse.device) == 0] = float("-inf")  # an empty sequence, as FlashAttention
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out
 

@@ -52,6 +52,17 @@ TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied o
 FP32_MIN = -3.4028234663852886e38
 
 
+def check_key_ranges(key_ranges, batch, keys):
+    """Raise ValueError unless ``key_ranges`` is None or one (start, end) per batch row within the keys."""
+    if key_ranges is None:
+        return
+    if len(key_ranges) != batch or any(not 0 <= start <= end <= keys for start, end in key_ranges):
+        raise ValueError(
+            f"flash_decode: key_ranges must be one (start, end) with 0 <= start <= end <= {keys} per batch row "
+            f"({batch}), got {tuple(key_ranges)}"
+        )
+
+
 def check_shapes(q_shape, k_shape, v_shape):
     """Raise ValueError naming the op, the shape and the limit for shapes the decode kernel cannot take."""
     if len(q_shape) != 4 or len(k_shape) != 4 or tuple(k_shape) != tuple(v_shape):
@@ -153,13 +164,17 @@ class _Group(nl.NKIObject):
         heads = slice(self.g * self.group, (self.g + 1) * self.group)
         result = nl.ndarray((rows, d), self.dtype, buffer=nl.sbuf)
         lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        safe_sum = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=safe_sum, data=self.acc[:, d : d + 1], op0=nl.maximum, operand0=1e-30, engine=gpsimd)
-        nisa.tensor_scalar(dst=result, data=self.acc[:, 0:d], op0=nl.divide, operand0=safe_sum, engine=gpsimd)
-        nisa.activation(dst=lse, op=nl.log, data=safe_sum)
-        nisa.scalar_tensor_tensor(
-            dst=lse, data=self.run_max, op0=nl.multiply, operand0=self.exp_scale, op1=nl.add, operand1=lse
-        )
+        if self.acc is None:  # an empty key range: no key to see
+            nisa.memset(dst=result, value=0.0, engine=gpsimd)
+            nisa.memset(dst=lse, value=MASKED_LOGIT_FLOOR, engine=gpsimd)
+        else:
+            safe_sum = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=safe_sum, data=self.acc[:, d : d + 1], op0=nl.maximum, operand0=1e-30, engine=gpsimd)
+            nisa.tensor_scalar(dst=result, data=self.acc[:, 0:d], op0=nl.divide, operand0=safe_sum, engine=gpsimd)
+            nisa.activation(dst=lse, op=nl.log, data=safe_sum)
+            nisa.scalar_tensor_tensor(
+                dst=lse, data=self.run_max, op0=nl.multiply, operand0=self.exp_scale, op1=nl.add, operand1=lse
+            )
         nisa.dma_copy(dst=out[self.b, heads, :, :].reshape((rows, d)), src=result)
         nisa.dma_copy(dst=lse_out[self.b, heads, :].reshape((rows, 1)), src=lse)
         self.q_t = self.acc = self.run_max = None
@@ -292,7 +307,7 @@ _LEAD = max(lead for _, lead in _STAGES)
 
 
 @nki.jit
-def flash_decode_fwd(q, k, v, scale, causal, window, softcap):
+def flash_decode_fwd(q, k, v, scale, causal, window, softcap, key_ranges=None):
     """Attention of a few queries per sequence against a KV cache.
 
     Args:
@@ -300,6 +315,9 @@ def flash_decode_fwd(q, k, v, scale, causal, window, softcap):
             (H / Hkv) * Sq <= MAX_GROUP_ROWS and D <= MAX_HEAD_DIM.
         scale: softmax scale (Python float).
         causal: bool (aligned bottom-right); window: 0 (none) or keys per query; softcap: 0.0 (none) or the cap.
+        key_ranges: None (every row sees its Sk keys), or per batch row the (start, end) of the cache
+            positions it holds (ragged lengths, left padding): keys outside are never read, and
+            causality and the window align to the range's end, where the row's last query sits.
 
     IO shapes:
         returns (out [B, H, Sq, D] of q's dtype, lse [B, H, Sq] fp32 log-sum-exp of the scaled logits;
@@ -308,12 +326,11 @@ def flash_decode_fwd(q, k, v, scale, causal, window, softcap):
     check_shapes(q.shape, k.shape, v.shape)
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
+    check_key_ranges(key_ranges, batch, sk)
     group_size = heads // kv_heads
     rows = group_size * sq
     out = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
     lse_out = nl.ndarray((batch, heads, sq), nl.float32, buffer=nl.shared_hbm)
-    offset = sk - sq  # query i sees keys j <= i + offset (causal) and j >= i + offset - window + 1
-    lowest = max(0, offset - window + 1) if window else 0  # the first key any query sees
     per_partition = keys_per_partition(d, itemsize(k.dtype), rows)
     ones_row = nl.ndarray((1, P), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones_row, value=1.0, engine=nisa.engine.gpsimd)
@@ -322,9 +339,14 @@ def flash_decode_fwd(q, k, v, scale, causal, window, softcap):
 
     chunks = []
     for b in range(batch):
+        start, end = key_ranges[b] if key_ranges is not None else (0, sk)
+        offset = end - sq  # query i sees keys j <= i + offset (causal) and j >= i + offset - window + 1
+        lowest = max(start, offset - window + 1) if window else start  # the first key any query sees
         for g in range(kv_heads):
             group = _Group(q, b, g, group_size, scale, softcap)
-            planned = chunk_plan(lowest, sk, per_partition)  # lowest < sk: offset - window + 1 <= sk - 1
+            planned = chunk_plan(lowest, end, per_partition)
+            if not planned:
+                group.finish(out, lse_out)
             for n, (k0, parts, t) in enumerate(planned):
                 last_key = k0 + parts * t - 1
                 chunk = _Chunk(
