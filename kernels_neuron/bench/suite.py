@@ -537,6 +537,7 @@ CASES: list[Case] = [
     decode_case("attention-fwd/llama3-8b/spec-decode-4-of-4096", "Llama-3-8B", 1, 1, 1, 4, 4096),
     decode_case("attention-fwd/llama3-8b/spec-decode-16-of-4096", "Llama-3-8B", 1, 1, 1, 16, 4096),
     decode_case("attention-fwd/mistral-7b/spec-decode-4-gqa-b1-of-4096", "Mistral-7B", 1, 32, 8, 4, 4096),
+    decode_case("attention-fwd/mistral-7b/spec-decode-16-gqa-b1-of-4096", "Mistral-7B", 1, 32, 8, 16, 4096),
     # Packed training batches (TRL's padding-free packing): one launch over the sequences, against one of
     # them alone (the packed case should cost about 4x it).
     attention_case("attention-fwd/qwen3-8b/packed-4x256", "Qwen3-8B", 1024, 1024, packed=(256, 256, 256, 256)),

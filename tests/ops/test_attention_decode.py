@@ -33,7 +33,8 @@ def _reference(q, k, v, **kwargs):
 
 # (batch, heads, kv_heads, sq, sk, d, causal, window, softcap): chunks of 2048 keys at d = 128 in bf16
 # (4096 in fp32 at d = 64), so 77 keys is one partial row, 1100 a partial chunk plus single keys, 4500
-# two full chunks and a ragged rest; 8 query heads per KV head x 16 queries is the 128-row limit.
+# two full chunks and a ragged rest; 8 query heads per KV head x 16 queries is the 128-row limit (from
+# 64 rows on the kernel subtracts the max in PSUM and gives the keys a mask cuts chunks of their own).
 CASES = [
     (1, 1, 1, 1, 77, 64, True, None, None),
     (2, 4, 2, 1, 1100, 128, True, None, None),
@@ -43,6 +44,7 @@ CASES = [
     (1, 2, 2, 5, 700, 8, True, 6, 2.0),
     (1, 4, 2, 2, 1300, 80, False, None, 3.0),
     (1, 2, 1, 16, 5, 16, True, None, None),  # Sq > Sk: the first 11 queries see no key
+    (1, 8, 2, 16, 3000, 64, True, 500, None),  # 64 rows: the max subtracted in PSUM, masked keys split off
 ]
 
 

@@ -46,7 +46,15 @@ from ._common import MASKED_LOGIT_FLOOR, P, itemsize, tiles
 
 MAX_HEAD_DIM = P  # the contraction over D is one matmul
 MAX_GROUP_ROWS = P  # query rows of one KV group: they are the matmul's stationary columns in P V
-SCORE_COLUMNS = 512  # fp32 S^T columns per partition in one PSUM bank: T * n <= SCORE_COLUMNS
+SCORE_BANK_COLUMNS = 512  # fp32 S^T columns per partition in one PSUM bank (2 KiB)
+SCORE_BANKS = 2  # PSUM banks one chunk's S^T may span (two chunks are in flight in the pipeline)
+# From this many query rows on, the max is subtracted from S^T in PSUM by TensorE (a ones-row matmul
+# of 64 cycles per 128-key block at 2.4 GHz) rather than on VectorE (one cycle per score at 0.96 GHz),
+# and the few keys a mask cuts get chunks of their own. By engine time the two subtractions cost the
+# same at 26 rows, but the update adds a TensorE step to each chunk's dependency chain: in the cost
+# model it pays from 64 rows (a Qwen3-8B layer with 16 queries: 39.8% -> 47.3% of the HBM roofline)
+# and loses at 32 (8 queries: 62.8% -> 54.4%).
+SHIFT_MIN_ROWS = 64
 CHUNK_BYTES = 4 * 1024  # K bytes per partition per chunk: a DMA saturates from 4 KiB per partition
 TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied out by one instruction
 FP32_MIN = -3.4028234663852886e38
@@ -86,10 +94,15 @@ def check_shapes(q_shape, k_shape, v_shape):
         raise ValueError(f"flash_decode: empty input: q {tuple(q_shape)}, k {tuple(k_shape)}")
 
 
+def _bank_blocks(rows):
+    """128-key blocks of S^T [keys, rows] one PSUM bank holds."""
+    return max(1, SCORE_BANK_COLUMNS // rows)
+
+
 def keys_per_partition(head_dim, element_bytes, rows):
     """T, the consecutive keys each partition holds in a chunk: CHUNK_BYTES of K, and S^T for the
-    group's ``rows`` within one PSUM bank."""
-    return max(1, min(CHUNK_BYTES // (head_dim * element_bytes), SCORE_COLUMNS // rows))
+    group's ``rows`` within SCORE_BANKS PSUM banks."""
+    return max(1, min(CHUNK_BYTES // (head_dim * element_bytes), SCORE_BANKS * _bank_blocks(rows)))
 
 
 def chunk_plan(first, end, per_partition):
@@ -180,15 +193,32 @@ class _Group(nl.NKIObject):
         self.q_t = self.acc = self.run_max = None
 
 
+class _Constants(nl.NKIObject):
+    """Matmul operands the chunks share: ones rows (in the probabilities' dtype and fp32) that broadcast
+    a row to every partition, and -1 / 1 that turn a row into a column."""
+
+    def __init__(self, dtype):
+        gpsimd = nisa.engine.gpsimd
+        self.ones = nl.ndarray((1, P), dtype, buffer=nl.sbuf)
+        nisa.memset(dst=self.ones, value=1.0, engine=gpsimd)
+        self.minus_one = nl.ndarray((1, 1), dtype, buffer=nl.sbuf)
+        nisa.memset(dst=self.minus_one, value=-1.0, engine=gpsimd)
+        self.ones_fp32 = nl.ndarray((1, P), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.ones_fp32, value=1.0, engine=gpsimd)
+        self.one_fp32 = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.one_fp32, value=1.0, engine=gpsimd)
+
+
 class _Chunk(nl.NKIObject):
     """Keys ``k0 + p*T + t`` (p < parts, t < T) of one group, on their way through the pipeline stages;
     each stage drops what no later stage reads."""
 
-    def __init__(self, group, k0, parts, per_partition, causal_cut, window_cut, ones_row, one):
+    def __init__(self, group, k0, parts, per_partition, causal_cut, window_cut, constants):
         self.group, self.k0, self.parts, self.t = group, k0, parts, per_partition
         self.causal_cut, self.window_cut = causal_cut, window_cut  # (offset, window) of the masks it crosses
-        self.ones_row, self.one = ones_row, one
-        self.keys = self.values = self.keys_t = self.logits = self.probs = None
+        self.ones, self.minus_one = constants.ones, constants.minus_one
+        self.ones_fp32, self.one_fp32 = constants.ones_fp32, constants.one_fp32
+        self.keys = self.values = self.keys_t = self.logits = self.probs = self.banks = None
         self.first, self.last = False, False  # the group's first and last chunk
 
     def load(self, k, v):
@@ -221,73 +251,130 @@ class _Chunk(nl.NKIObject):
         self.keys = None
 
     def scores(self):
-        """S^T [parts, T, rows] = K Q^T in PSUM, then softcapped and masked where needed (into SBUF)."""
+        """S^T [parts, T, rows] = K Q^T in PSUM, one bank per ``_bank_blocks`` key blocks; softcapped and
+        masked where needed (then into SBUF)."""
         group, parts, t, rows = self.group, self.parts, self.t, self.group.rows
-        scores = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.psum)
-        for j in range(t):
-            nisa.nc_matmul(
-                dst=scores[:, j, :], stationary=self.keys_t[:, j * parts : (j + 1) * parts], moving=group.q_t
-            )
+        per_bank = _bank_blocks(rows)
+        self.banks = []
+        for j0, jc in tiles(t, per_bank):
+            bank = nl.ndarray((parts, jc, rows), nl.float32, buffer=nl.psum)
+            for j in range(jc):
+                block = self.keys_t[:, (j0 + j) * parts : (j0 + j + 1) * parts]
+                nisa.nc_matmul(dst=bank[:, j, :], stationary=block, moving=group.q_t)
+            self.banks.append((j0, jc, bank))
         self.keys_t = None
-        logits = scores
-        if group.softcap:
-            logits = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=logits, op=nl.tanh, data=scores, scale=group.scale / group.softcap)
-        if self.causal_cut is not None or self.window_cut is not None:
-            if logits is scores:
-                logits = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=logits, src=scores)
-            # affine(p, t, h, i) over the free order (t, h, i): h (the query head) never matters.
-            sq, heads = group.sq, group.group
-            if self.causal_cut is not None:  # keep key <= i + offset: (offset - k0) - p*T - t + i >= 0
-                nisa.affine_select(
-                    dst=logits,
-                    pattern=[[-1, t], [0, heads], [1, sq]],
-                    channel_multiplier=-t,
-                    on_true_tile=logits,
-                    on_false_value=FP32_MIN,
-                    cmp_op=nl.greater_equal,
-                    offset=self.causal_cut - self.k0,
+        masked = self.causal_cut is not None or self.window_cut is not None
+        self.logits = None
+        if not (group.softcap or masked):
+            return
+        logits = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
+        for j0, jc, bank in self.banks:
+            if group.softcap:
+                nisa.activation(
+                    dst=logits[:, j0 : j0 + jc, :], op=nl.tanh, data=bank, scale=group.scale / group.softcap
                 )
-            if self.window_cut is not None:  # keep key >= i + lowest: (k0 - lowest) + p*T + t - i >= 0
-                nisa.affine_select(
-                    dst=logits,
-                    pattern=[[1, t], [0, heads], [-1, sq]],
-                    channel_multiplier=t,
-                    on_true_tile=logits,
-                    on_false_value=FP32_MIN,
-                    cmp_op=nl.greater_equal,
-                    offset=self.k0 - self.window_cut,
-                )
+            else:
+                nisa.tensor_copy(dst=logits[:, j0 : j0 + jc, :], src=bank)
+        self.banks = None
+        # affine(p, t, h, i) over the free order (t, h, i): h (the query head) never matters.
+        sq, heads = group.sq, group.group
+        if self.causal_cut is not None:  # keep key <= i + offset: (offset - k0) - p*T - t + i >= 0
+            nisa.affine_select(
+                dst=logits,
+                pattern=[[-1, t], [0, heads], [1, sq]],
+                channel_multiplier=-t,
+                on_true_tile=logits,
+                on_false_value=FP32_MIN,
+                cmp_op=nl.greater_equal,
+                offset=self.causal_cut - self.k0,
+            )
+        if self.window_cut is not None:  # keep key >= i + lowest: (k0 - lowest) + p*T + t - i >= 0
+            nisa.affine_select(
+                dst=logits,
+                pattern=[[1, t], [0, heads], [-1, sq]],
+                channel_multiplier=t,
+                on_true_tile=logits,
+                on_false_value=FP32_MIN,
+                cmp_op=nl.greater_equal,
+                offset=self.k0 - self.window_cut,
+            )
         self.logits = logits
 
-    def softmax(self):
-        """The chunk's max per row (reduced along T, then across partitions, then broadcast back by a
-        ones-row matmul) and P^T = exp(exp_scale * (logits - max))."""
-        group, parts, t, rows = self.group, self.parts, self.t, self.group.rows
+    def _row_max(self, sources):
+        """The chunk's max per row as one [1, rows] row: VectorE reduces each partition's keys of each
+        source, GpSimd reduces across the partitions, floored so that a row seeing no key of the chunk
+        keeps a finite max (its probabilities are then 0)."""
+        parts, rows = self.parts, self.group.rows
         lane_max = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=lane_max, op=nl.maximum, data=self.logits.permute((0, 2, 1)), axis=2)
+        for n, source in enumerate(sources):
+            if n == 0:
+                nisa.tensor_reduce(dst=lane_max, op=nl.maximum, data=source.permute((0, 2, 1)), axis=2)
+            else:
+                partial = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)
+                nisa.tensor_reduce(dst=partial, op=nl.maximum, data=source.permute((0, 2, 1)), axis=2)
+                nisa.tensor_tensor(dst=lane_max, data1=lane_max, data2=partial, op=nl.maximum)
         row_max = nl.ndarray((1, rows), nl.float32, buffer=nl.sbuf)
         nisa.tensor_partition_reduce(dst=row_max, op=nl.maximum, data=lane_max)
-        # The floor keeps a row that sees no key of this chunk at a finite max (its probabilities are 0).
         nisa.tensor_scalar(
             dst=row_max,
             data=row_max,
             op0=nl.maximum,
-            operand0=MASKED_LOGIT_FLOOR / group.exp_scale,
+            operand0=MASKED_LOGIT_FLOOR / self.group.exp_scale,
             engine=nisa.engine.gpsimd,
         )
-        spread_psum = nl.ndarray((parts, rows), nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=spread_psum, stationary=self.ones_row[:, 0:parts], moving=row_max)
-        spread = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)  # VectorE reads at most one PSUM input
-        nisa.activation(dst=spread, op=nl.copy, data=spread_psum)
-        shifted = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=shifted, data1=self.logits, data2=spread.expand_dims(1).broadcast(1, t), op=nl.subtract)
-        self.logits = None
+        return row_max
+
+    def _gathered_banks(self):
+        """The PSUM banks' scores in one SBUF tile (for the VectorE subtract, which reads one PSUM input)."""
+        logits = nl.ndarray((self.parts, self.t, self.group.rows), nl.float32, buffer=nl.sbuf)
+        for j0, jc, bank in self.banks:
+            nisa.activation(dst=logits[:, j0 : j0 + jc, :], op=nl.copy, data=bank)
+        return logits
+
+    def softmax(self):
+        """P^T = exp(exp_scale * (S^T - max)) with the chunk's max per row, and that max as a column.
+
+        Scores still in PSUM get the max subtracted by TensorE: a ones-row matmul accumulates -max onto
+        every block (a rank-1 update), so ScalarE exponentiates straight from PSUM and VectorE touches
+        each score once, for the max. The max is rounded to the probabilities' dtype first, so the
+        column the merge weighs the chunk by is exactly the value subtracted. Softcapped or masked
+        scores (in SBUF), and those of fewer than SHIFT_MIN_ROWS rows, get it broadcast by a ones-row
+        matmul and subtracted on VectorE."""
+        group, parts, t, rows = self.group, self.parts, self.t, self.group.rows
         self.probs = nl.ndarray((parts, t, rows), group.dtype, buffer=nl.sbuf)
-        nisa.activation(dst=self.probs, op=nl.exp, data=shifted, scale=group.exp_scale)
         column = nl.ndarray((rows, 1), nl.float32, buffer=nl.psum)  # the max, one row per partition
-        nisa.nc_matmul(dst=column, stationary=row_max, moving=self.one)
+        if self.logits is None and rows >= SHIFT_MIN_ROWS:
+            row_max = self._row_max([bank for _, _, bank in self.banks])
+            negated = nl.ndarray((1, rows), group.dtype, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=negated, data=row_max, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
+            for j0, jc, bank in self.banks:
+                for j in range(jc):
+                    nisa.nc_matmul(
+                        dst=bank[:, j, :],
+                        stationary=self.ones[:, 0:parts],
+                        moving=negated,
+                        is_stationary_onezero=True,
+                        accumulate=True,
+                    )
+                nisa.activation(dst=self.probs[:, j0 : j0 + jc, :], op=nl.exp, data=bank, scale=group.exp_scale)
+            nisa.nc_matmul(dst=column, stationary=negated, moving=self.minus_one)
+            self.banks = None
+        else:
+            if self.logits is None:  # few rows: subtracting on VectorE is cheaper than the rank-1 updates
+                self.logits = self.banks[0][2] if len(self.banks) == 1 else self._gathered_banks()
+                self.banks = None
+            row_max = self._row_max([self.logits])
+            spread_psum = nl.ndarray((parts, rows), nl.float32, buffer=nl.psum)
+            nisa.nc_matmul(dst=spread_psum, stationary=self.ones_fp32[:, 0:parts], moving=row_max)
+            spread = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)  # VectorE reads one PSUM input at most
+            nisa.activation(dst=spread, op=nl.copy, data=spread_psum)
+            shifted = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(
+                dst=shifted, data1=self.logits, data2=spread.expand_dims(1).broadcast(1, t), op=nl.subtract
+            )
+            self.logits = None
+            nisa.activation(dst=self.probs, op=nl.exp, data=shifted, scale=group.exp_scale)
+            nisa.nc_matmul(dst=column, stationary=row_max, moving=self.one_fp32)
         self.max_column = column
 
     def multiply_values(self):
@@ -332,10 +419,7 @@ def flash_decode_fwd(q, k, v, scale, causal, window, softcap, key_ranges=None):
     out = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
     lse_out = nl.ndarray((batch, heads, sq), nl.float32, buffer=nl.shared_hbm)
     per_partition = keys_per_partition(d, itemsize(k.dtype), rows)
-    ones_row = nl.ndarray((1, P), nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones_row, value=1.0, engine=nisa.engine.gpsimd)
-    one = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=one, value=1.0, engine=nisa.engine.gpsimd)
+    constants = _Constants(q.dtype)
 
     chunks = []
     for b in range(batch):
@@ -344,7 +428,14 @@ def flash_decode_fwd(q, k, v, scale, causal, window, softcap, key_ranges=None):
         lowest = max(start, offset - window + 1) if window else start  # the first key any query sees
         for g in range(kv_heads):
             group = _Group(q, b, g, group_size, scale, softcap)
-            planned = chunk_plan(lowest, end, per_partition)
+            # With many rows, the keys some query may not see (the window's first sq - 1, the causal
+            # last sq - 1) get chunks of their own, so that only those few take the masked path.
+            edges = {lowest, end}
+            if rows >= SHIFT_MIN_ROWS:
+                edges |= {min(max(lowest, sq - 1 + offset - window + 1), end)} if window else set()
+                edges |= {min(max(lowest, offset + 1), end)} if causal else set()
+            edges = sorted(edges)
+            planned = [chunk for lo, hi in zip(edges, edges[1:]) for chunk in chunk_plan(lo, hi, per_partition)]
             if not planned:
                 group.finish(out, lse_out)
             for n, (k0, parts, t) in enumerate(planned):
@@ -356,8 +447,7 @@ def flash_decode_fwd(q, k, v, scale, causal, window, softcap, key_ranges=None):
                     t,
                     offset if causal and last_key > offset else None,
                     offset - window + 1 if window and k0 < sq - 1 + offset - window + 1 else None,
-                    ones_row,
-                    one,
+                    constants,
                 )
                 chunk.first, chunk.last = n == 0, n == len(planned) - 1
                 chunks.append(chunk)
