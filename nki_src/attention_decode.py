@@ -42,7 +42,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import MASKED_LOGIT_FLOOR, P, itemsize, tiles
+from ._common import MASKED_LOGIT_FLOOR, P, ceil_div, itemsize, tiles
 
 MAX_HEAD_DIM = P  # the contraction over D is one matmul
 MAX_GROUP_ROWS = P  # query rows of one KV group: they are the matmul's stationary columns in P V
@@ -56,6 +56,12 @@ SCORE_BANKS = 2  # PSUM banks one chunk's S^T may span (two chunks are in flight
 # and loses at 32 (8 queries: 62.8% -> 54.4%).
 SHIFT_MIN_ROWS = 64
 CHUNK_BYTES = 4 * 1024  # K bytes per partition per chunk: a DMA saturates from 4 KiB per partition
+# A paged cache's chunks hold every KV head's keys, so they are large: up to PAGED_KEY_LOADS K tiles
+# are live (in use, prefetched, being freed) beside the ring of V buffers; PAGED_SBUF_RESERVE is left
+# for the rest (K^T, probabilities, queries: 12 KiB measured at T = 16, 8 KV heads, d = 128, where the
+# peak is 209,194 of Trn2's 229,376 bytes per partition).
+PAGED_KEY_LOADS = 3
+PAGED_SBUF_RESERVE = 24 * 1024
 TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied out by one instruction
 FP32_MIN = -3.4028234663852886e38
 
@@ -117,6 +123,60 @@ def chunk_plan(first, end, per_partition):
     if end > k0:
         chunks.append((k0, end - k0, 1))
     return chunks
+
+
+def aligned_chunk_plan(first, end, per_partition):
+    """As ``chunk_plan``, but every chunk's T divides ``per_partition`` (a power of two) and its first
+    key is a multiple of T, so that a partition's T keys never straddle two blocks of a paged cache."""
+    chunks = []
+    k0 = first
+    while end - k0 >= P:
+        t = min(per_partition, k0 & -k0) if k0 else per_partition  # the largest power of two dividing k0
+        while t > 1 and end - k0 < P * t:
+            t //= 2
+        chunks.append((k0, P, t))
+        k0 += P * t
+    if end > k0:
+        chunks.append((k0, end - k0, 1))
+    return chunks
+
+
+def value_buffers(kv_heads):
+    """V buffers a paged cache's ring needs: the pipeline runs up to _LEAD chunks (each one KV head's)
+    ahead of the last stage, and each shared load prefetches the next, so a buffer is written again
+    only after every KV head's chunk of its previous keys has run."""
+    return 2 + ceil_div(_LEAD + 1, kv_heads)
+
+
+def paged_keys_per_partition(block_size, kv_heads, head_dim, element_bytes, rows, sbuf_bytes):
+    """T for a paged cache: a power of two dividing ``block_size``, with S^T within SCORE_BANKS PSUM
+    banks, and the loads in flight within the SBUF partition (``sbuf_bytes``) less
+    PAGED_SBUF_RESERVE: up to PAGED_KEY_LOADS K tiles and the ring of V buffers, T slots of every KV
+    head each."""
+    t = block_size & -block_size
+    slot_bytes = PAGED_KEY_LOADS * kv_heads * head_dim * element_bytes
+    slot_bytes += value_buffers(kv_heads) * kv_heads * (head_dim + 1) * element_bytes
+    while t > 1 and (t * slot_bytes > sbuf_bytes - PAGED_SBUF_RESERVE or t > SCORE_BANKS * _bank_blocks(rows)):
+        t //= 2
+    return t
+
+
+def check_paged(k_shape, v_shape, table_shape, block_size, lengths, batch):
+    """Raise ValueError naming the argument, the value and the limit for a paged cache the kernel cannot take."""
+    if len(k_shape) != 3 or tuple(k_shape) != tuple(v_shape):
+        raise ValueError(
+            f"flash_decode_paged: k_slots and v_slots must be [slots, Hkv, D] alike, got {k_shape}, {v_shape}"
+        )
+    if block_size < 1 or k_shape[0] % block_size:
+        raise ValueError(f"flash_decode_paged: block_size {block_size} does not divide the {k_shape[0]} slots")
+    if len(table_shape) != 2 or table_shape[0] != batch:
+        raise ValueError(f"flash_decode_paged: block_table must be [batch={batch}, max_blocks], got {table_shape}")
+    capacity = table_shape[1] * block_size
+    if len(lengths) != batch or any(not 0 <= n <= capacity for n in lengths):
+        raise ValueError(
+            f"flash_decode_paged: lengths must be one per batch row ({batch}), each 0..{capacity} (the block "
+            f"table's {table_shape[1]} blocks of {block_size}), got {tuple(lengths)}"
+        )
 
 
 class _Group(nl.NKIObject):
@@ -209,40 +269,202 @@ class _Constants(nl.NKIObject):
         nisa.memset(dst=self.one_fp32, value=1.0, engine=gpsimd)
 
 
+class _DenseCache(nl.NKIObject):
+    """K/V [B, Hkv, Sk, D]: each chunk loads its own KV head's keys, one contiguous run per partition."""
+
+    shares_loads = False
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+    def plan(self, first, end, per_partition):
+        return chunk_plan(first, end, per_partition)
+
+    def chunk_source(self, b, k0, parts, per_partition, kv_heads, constants):
+        return self  # each KV head's chunk loads its own keys
+
+    def prepare(self):
+        """Nothing to compute ahead: the chunks' addresses are static."""
+
+    def take(self, chunk):
+        """Per key block t: K [parts, D] and [V | 1] [parts, D + 1] of the chunk's keys."""
+        group, parts, t, d = chunk.group, chunk.parts, chunk.t, chunk.group.d
+        span = slice(chunk.k0, chunk.k0 + parts * t)
+        keys = nl.ndarray((parts, t, d), self.k.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=keys, src=self.k[group.b, group.g, span, :].reshape((parts, t, d)))
+        values = nl.ndarray((parts, t, d + 1), self.v.dtype, buffer=nl.sbuf)
+        # The ones column first: GpSimd runs its queue in order, and a memset issued behind the load
+        # would hold up everything GpSimd does for earlier chunks until the load lands.
+        nisa.memset(dst=values[:, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=values[:, :, 0:d], src=self.v[group.b, group.g, span, :].reshape((parts, t, d)))
+        return [keys[:, j, :] for j in range(t)], [values[:, j, :] for j in range(t)]
+
+
+class _PagedBlocks(nl.NKIObject):
+    """Keys ``k0 + p*T + t`` of one sequence, every KV head, gathered from a paged cache: loaded once by
+    the first KV head's chunk and shared by the others (a slot holds all KV heads, so reading them
+    together keeps each partition's run contiguous: T slots x Hkv x D elements).
+
+    The physical slot of partition p's first key comes from the block table on chip: the table's
+    entries for the chunk's blocks, as ``(block - logical block) * block_size`` shifts, are broadcast to
+    every partition by a ones-row matmul; two ``affine_select``s keep, per partition, only the entry of
+    the block its keys fall in; a row sum picks it, plus the key index (``iota``). One gather DMA
+    (``vector_offset``) per K and per V then reads T whole slots per partition."""
+
+    def __init__(self, cache, b, k0, parts, per_partition, kv_heads, constants):
+        self.cache, self.b, self.k0, self.parts, self.t = cache, b, k0, parts, per_partition
+        self.takers, self.constants = kv_heads, constants
+        self.keys = self.values = None
+        self.loaded = False
+        self.index = None  # [parts, 1] int32 physical slots (prepare)
+        self.value_buffer = None  # the ring buffer V lands in (_PagedCache.chunk_source)
+        self.next = None  # the next shared load, prefetched when this one starts
+
+    def prepare(self):
+        """The physical slot of each partition's first key, once for the KV heads' chunks."""
+        if self.index is None:
+            self.index = self._slots()
+
+    def _slots(self):
+        """[parts, 1] int32: the physical slot of each partition's first key."""
+        cache, parts, t, k0 = self.cache, self.parts, self.t, self.k0
+        size = cache.block_size
+        gpsimd = nisa.engine.gpsimd
+        first, last = k0 // size, (k0 + parts * t - 1) // size
+        blocks = last - first + 1
+        table = nl.ndarray((1, blocks), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=table, src=cache.block_table[self.b, first : last + 1].reshape((1, blocks)))
+        shift = nl.ndarray((1, blocks), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=shift, src=table, engine=gpsimd)
+        logical = nl.ndarray((1, blocks), nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=logical, pattern=[[size, blocks]], offset=first * size)
+        nisa.scalar_tensor_tensor(
+            dst=shift, data=shift, op0=nl.multiply, operand0=float(size), op1=nl.subtract, operand1=logical
+        )
+        spread_psum = nl.ndarray((parts, blocks), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=spread_psum, stationary=self.constants.ones_fp32[:, 0:parts], moving=shift)
+        spread = nl.ndarray((parts, blocks), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=spread, op=nl.copy, data=spread_psum)
+        # keep block e of partition p where (first + e) * size <= k0 + p*T < (first + e + 1) * size
+        nisa.affine_select(
+            dst=spread,
+            pattern=[[-size, blocks]],
+            channel_multiplier=t,
+            on_true_tile=spread,
+            on_false_value=0.0,
+            cmp_op=nl.greater_equal,
+            offset=k0 - first * size,
+        )
+        nisa.affine_select(
+            dst=spread,
+            pattern=[[size, blocks]],
+            channel_multiplier=-t,
+            on_true_tile=spread,
+            on_false_value=0.0,
+            cmp_op=nl.greater_equal,
+            offset=(first + 1) * size - 1 - k0,
+        )
+        slot = nl.ndarray((parts, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=slot, op=nl.add, data=spread, axis=1)
+        key = nl.ndarray((parts, 1), nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=key, pattern=[[0, 1]], offset=k0, channel_multiplier=t)
+        nisa.tensor_tensor(dst=slot, data1=slot, data2=key, op=nl.add, engine=gpsimd)
+        index = nl.ndarray((parts, 1), nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=index, src=slot, engine=gpsimd)
+        return index
+
+    def _load(self):
+        self.loaded = True
+        cache, parts, t = self.cache, self.parts, self.t
+        kv_heads, d = cache.k.shape[1], cache.k.shape[2]
+        index = self.index
+        self.keys = nl.ndarray((parts, t, kv_heads, d), cache.k.dtype, buffer=nl.sbuf)
+        row = kv_heads * d
+        nisa.dma_copy(
+            dst=self.keys,
+            src=cache.k.ap(pattern=[[row, parts], [1, t * row]], offset=0, vector_offset=index, indirect_dim=0),
+        )
+        self.values = self.value_buffer[0:parts, 0:t, :, :]  # its ones columns were set once
+        nisa.dma_copy(
+            dst=self.values[:, :, :, 0:d],
+            src=cache.v.ap(
+                pattern=[[row, parts], [d, t * kv_heads], [1, d]], offset=0, vector_offset=index, indirect_dim=0
+            ),
+        )
+
+    def take(self, chunk):
+        """The chunk's KV head's K and V per key block (the last KV head to take them frees them)."""
+        if not self.loaded:
+            self._load()
+        if self.next is not None and not self.next.loaded:
+            self.next._load()
+        g, t = chunk.group.g, self.t
+        keys, values = [self.keys[:, j, g, :] for j in range(t)], [self.values[:, j, g, :] for j in range(t)]
+        self.takers -= 1
+        if self.takers == 0:
+            self.keys = self.values = None
+        return keys, values
+
+
+class _PagedCache(nl.NKIObject):
+    """A paged KV cache: K/V slots [blocks * block_size, Hkv, D] and the block table [B, max_blocks]."""
+
+    shares_loads = True
+
+    def __init__(self, k, v, block_table, block_size, per_partition):
+        self.k, self.v, self.block_table, self.block_size = k, v, block_table, block_size
+        # V lands in a ring of buffers (value_buffers) whose ones columns are set once, here: a memset
+        # per load would wait for GpSimd's queue, and the model's DMA bandwidth goes to the transfers
+        # ready first, which would then be later chunks' keys.
+        kv_heads, d = k.shape[1], k.shape[2]
+        self.value_ring = []
+        for _ in range(value_buffers(kv_heads)):
+            buffer = nl.ndarray((P, per_partition, kv_heads, d + 1), v.dtype, buffer=nl.sbuf)
+            nisa.memset(dst=buffer[:, :, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
+            self.value_ring.append(buffer)
+        self.loads = 0
+
+    def plan(self, first, end, per_partition):
+        return aligned_chunk_plan(first, end, per_partition)
+
+    def chunk_source(self, b, k0, parts, per_partition, kv_heads, constants):
+        blocks = _PagedBlocks(self, b, k0, parts, per_partition, kv_heads, constants)
+        blocks.value_buffer = self.value_ring[self.loads % len(self.value_ring)]
+        self.loads += 1
+        return blocks
+
+
 class _Chunk(nl.NKIObject):
     """Keys ``k0 + p*T + t`` (p < parts, t < T) of one group, on their way through the pipeline stages;
     each stage drops what no later stage reads."""
 
-    def __init__(self, group, k0, parts, per_partition, causal_cut, window_cut, constants):
+    def __init__(self, group, k0, parts, per_partition, causal_cut, window_cut, constants, source):
         self.group, self.k0, self.parts, self.t = group, k0, parts, per_partition
         self.causal_cut, self.window_cut = causal_cut, window_cut  # (offset, window) of the masks it crosses
+        self.constants = constants
         self.ones, self.minus_one = constants.ones, constants.minus_one
         self.ones_fp32, self.one_fp32 = constants.ones_fp32, constants.one_fp32
+        self.source = source  # _DenseCache, or the _PagedBlocks this chunk's keys were gathered into
         self.keys = self.values = self.keys_t = self.logits = self.probs = self.banks = None
-        self.first, self.last = False, False  # the group's first and last chunk
+        self.last = False  # the group's last chunk
+        self.query_groups = []  # groups whose queries this chunk's load stage loads (before its keys)
 
-    def load(self, k, v):
-        """K [parts, T, D] and V [parts, T, D + 1] (with a ones column), one contiguous run per partition."""
-        group, parts, t, d = self.group, self.parts, self.t, self.group.d
-        if self.first:
+    def load(self):
+        """The group's queries with its first chunk; this chunk's K [parts, T, D] and V [parts, T, D + 1]
+        (with a ones column), as views of what the source loaded."""
+        for group in self.query_groups:
             group.load_queries()
-        span = slice(self.k0, self.k0 + parts * t)
-        self.keys = nl.ndarray((parts, t, d), k.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=self.keys, src=k[group.b, group.g, span, :].reshape((parts, t, d)))
-        self.values = nl.ndarray((parts, t, d + 1), v.dtype, buffer=nl.sbuf)
-        # The ones column first: GpSimd runs its queue in order, and a memset issued behind the load
-        # would hold up everything GpSimd does for earlier chunks until the load lands.
-        nisa.memset(dst=self.values[:, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=self.values[:, :, 0:d], src=v[group.b, group.g, span, :].reshape((parts, t, d)))
+        self.keys, self.values = self.source.take(self)
+        self.source = None
 
     def transpose_keys(self):
         """K^T [D, T * parts] (block t at columns t*parts..): TensorE transposes, copied out by VectorE and ScalarE."""
-        parts, t, d, dtype = self.parts, self.t, self.group.d, self.keys.dtype
+        parts, t, d, dtype = self.parts, self.t, self.group.d, self.group.dtype
         self.keys_t = nl.ndarray((d, t * parts), dtype, buffer=nl.sbuf)
         for n, (t0, tc) in enumerate(tiles(t, TRANSPOSE_GROUP)):
             flipped = nl.ndarray((d, tc * parts), dtype, buffer=nl.psum)
             for j in range(tc):
-                nisa.nc_transpose(dst=flipped[:, j * parts : (j + 1) * parts], data=self.keys[:, t0 + j, :])
+                nisa.nc_transpose(dst=flipped[:, j * parts : (j + 1) * parts], data=self.keys[t0 + j])
             columns = self.keys_t[:, t0 * parts : (t0 + tc) * parts]
             if (self.k0 // P + n) % 2:
                 nisa.activation(dst=columns, op=nl.copy, data=flipped)
@@ -379,10 +601,10 @@ class _Chunk(nl.NKIObject):
 
     def multiply_values(self):
         """[P V | rowsum P] over the chunk's T blocks in one PSUM bank, merged into the group's state."""
-        group, t = self.group, self.t
-        pv = nl.ndarray((group.rows, group.d + 1), nl.float32, buffer=nl.psum)
+        group, t, d = self.group, self.t, self.group.d
+        pv = nl.ndarray((group.rows, d + 1), nl.float32, buffer=nl.psum)
         for j in range(t):
-            nisa.nc_matmul(dst=pv, stationary=self.probs[:, j, :], moving=self.values[:, j, :])
+            nisa.nc_matmul(dst=pv, stationary=self.probs[:, j, :], moving=self.values[j])
         self.probs = self.values = None
         group.merge(self.max_column, pv)
         self.max_column = None
@@ -414,53 +636,117 @@ def flash_decode_fwd(q, k, v, scale, causal, window, softcap, key_ranges=None):
     batch, heads, sq, d = q.shape
     kv_heads, sk = k.shape[1], k.shape[2]
     check_key_ranges(key_ranges, batch, sk)
-    group_size = heads // kv_heads
-    rows = group_size * sq
     out = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
     lse_out = nl.ndarray((batch, heads, sq), nl.float32, buffer=nl.shared_hbm)
-    per_partition = keys_per_partition(d, itemsize(k.dtype), rows)
-    constants = _Constants(q.dtype)
+    per_partition = keys_per_partition(d, itemsize(k.dtype), (heads // kv_heads) * sq)
+    spans = list(key_ranges) if key_ranges is not None else [(0, sk)] * batch
+    _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, _DenseCache(k, v), out, lse_out)
+    return out, lse_out
 
+
+@nki.jit
+def flash_decode_paged_fwd(q, k_slots, v_slots, block_table, block_size, lengths, scale, causal, window, softcap):
+    """``flash_decode_fwd`` against a paged KV cache, read through its block table by gather DMAs.
+
+    Args:
+        q: [B, H, Sq, D] in HBM; k_slots, v_slots: the cache's slots [blocks * block_size, Hkv, D]
+            (FlashAttention's paged [blocks, block_size, Hkv, D], viewed flat: slot = block *
+            block_size + position in the block); block_table: [B, max_blocks] int32, sequence b's
+            logical block j is physical block ``block_table[b, j]``.
+        block_size: slots per block; lengths: per batch row the cached keys it attends to (positions
+            0..length-1, its queries the last Sq of them).
+        scale, causal, window, softcap: as for ``flash_decode_fwd``.
+
+    IO shapes:
+        as ``flash_decode_fwd``.
+
+    Tiling plan
+        As ``flash_decode_fwd``, with T (keys per partition) a power of two dividing block_size, so a
+        partition's keys lie in one block (``paged_keys_per_partition``), and each chunk's K and V
+        gathered once for all KV heads (``_PagedBlocks``): T x Hkv x D contiguous elements per
+        partition, the next chunk's gathers issued when a chunk's are first used, V into a ring of
+        buffers whose ones columns are set once.
+    """
+    batch, heads, sq, d = q.shape
+    kv_heads = k_slots.shape[1]
+    check_shapes(q.shape, (batch, kv_heads, 1, d), (batch, kv_heads, 1, d))
+    check_paged(k_slots.shape, v_slots.shape, block_table.shape, block_size, lengths, batch)
+    out = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
+    lse_out = nl.ndarray((batch, heads, sq), nl.float32, buffer=nl.shared_hbm)
+    per_partition = paged_keys_per_partition(
+        block_size, kv_heads, d, itemsize(k_slots.dtype), (heads // kv_heads) * sq, nl.tile_size.sbuf_fmax_bytes
+    )
+    cache = _PagedCache(k_slots, v_slots, block_table, block_size, per_partition)
+    _attend(q, scale, causal, window, softcap, kv_heads, [(0, n) for n in lengths], per_partition, cache, out, lse_out)
+    return out, lse_out
+
+
+def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, sources, out, lse_out):
+    """The decode schedule: batch row b attends to keys ``spans[b] = (start, end)``, cut into chunks of
+    at most ``per_partition`` keys per partition by ``sources.plan``; ``sources.chunk_source`` gives what a
+    chunk's keys load from, shared by the row's KV heads. One ``_Chunk`` per (chunk, KV head), through
+    the pipeline."""
+    batch, heads, sq, d = q.shape
+    group_size = heads // kv_heads
+    rows = group_size * sq
+    constants = _Constants(q.dtype)
     chunks = []
+    previous = None  # the last shared load planned
     for b in range(batch):
-        start, end = key_ranges[b] if key_ranges is not None else (0, sk)
+        start, end = spans[b]
         offset = end - sq  # query i sees keys j <= i + offset (causal) and j >= i + offset - window + 1
         lowest = max(start, offset - window + 1) if window else start  # the first key any query sees
-        for g in range(kv_heads):
-            group = _Group(q, b, g, group_size, scale, softcap)
-            # With many rows, the keys some query may not see (the window's first sq - 1, the causal
-            # last sq - 1) get chunks of their own, so that only those few take the masked path.
-            edges = {lowest, end}
-            if rows >= SHIFT_MIN_ROWS:
-                edges |= {min(max(lowest, sq - 1 + offset - window + 1), end)} if window else set()
-                edges |= {min(max(lowest, offset + 1), end)} if causal else set()
-            edges = sorted(edges)
-            planned = [chunk for lo, hi in zip(edges, edges[1:]) for chunk in chunk_plan(lo, hi, per_partition)]
-            if not planned:
+        groups = [_Group(q, b, g, group_size, scale, softcap) for g in range(kv_heads)]
+        # With many rows, the keys some query may not see (the window's first sq - 1, the causal
+        # last sq - 1) get chunks of their own, so that only those few take the masked path.
+        edges = {lowest, end}
+        if rows >= SHIFT_MIN_ROWS:
+            edges |= {min(max(lowest, sq - 1 + offset - window + 1), end)} if window else set()
+            edges |= {min(max(lowest, offset + 1), end)} if causal else set()
+        edges = sorted(edges)
+        planned = [chunk for lo, hi in zip(edges, edges[1:]) for chunk in sources.plan(lo, hi, per_partition)]
+        if not planned:
+            for group in groups:
                 group.finish(out, lse_out)
-            for n, (k0, parts, t) in enumerate(planned):
-                last_key = k0 + parts * t - 1
-                chunk = _Chunk(
-                    group,
-                    k0,
-                    parts,
-                    t,
-                    offset if causal and last_key > offset else None,
-                    offset - window + 1 if window and k0 < sq - 1 + offset - window + 1 else None,
-                    constants,
-                )
-                chunk.first, chunk.last = n == 0, n == len(planned) - 1
-                chunks.append(chunk)
+        # A shared load serves every KV head's chunk of the same keys, so those run together;
+        # otherwise each KV head's chunks run in a row (which pipelines its loads best).
+        order = (
+            [(n, g) for n in range(len(planned)) for g in range(kv_heads)]
+            if sources.shares_loads
+            else [(n, g) for g in range(kv_heads) for n in range(len(planned))]
+        )
+        shared = [sources.chunk_source(b, k0, parts, t, kv_heads, constants) for k0, parts, t in planned]
+        if sources.shares_loads:  # each shared load starts the next one's, a whole chunk ahead
+            for source in shared:
+                if previous is not None:
+                    previous.next = source
+                previous = source
+        for n, g in order:
+            k0, parts, t = planned[n]
+            last_key = k0 + parts * t - 1
+            chunk = _Chunk(
+                groups[g],
+                k0,
+                parts,
+                t,
+                offset if causal and last_key > offset else None,
+                offset - window + 1 if window and k0 < sq - 1 + offset - window + 1 else None,
+                constants,
+                shared[n],
+            )
+            chunk.last = n == len(planned) - 1
+            if n == 0 and (g == 0 or not sources.shares_loads):  # with shared loads, one chunk loads every group's
+                chunk.query_groups = groups if sources.shares_loads else [groups[g]]
+            chunks.append(chunk)
+    # The gathers' slot indices first: a few small instructions per chunk that would otherwise queue
+    # on TensorE and GpSimd behind the bulk loads they precede.
+    for chunk in chunks:
+        chunk.source.prepare()
     # A software pipeline over the chunks: at each tick every stage works on a different chunk,
     # LEAD chunks apart, so loads run ahead of the transposes and those ahead of the softmax.
     for n in range(-_LEAD, len(chunks)):
         for stage, lead in _STAGES:
             if 0 <= n + lead < len(chunks):
-                chunk = chunks[n + lead]
-                if stage == "load":
-                    chunk.load(k, v)
-                else:
-                    getattr(chunk, stage)()
+                getattr(chunks[n + lead], stage)()
         if n >= 0 and chunks[n].last:
             chunks[n].group.finish(out, lse_out)
-    return out, lse_out

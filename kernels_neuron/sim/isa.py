@@ -142,7 +142,10 @@ def _dma_write(dst: Tensor, values: np.ndarray, instr: str, skip: bool, keep: np
 
 
 def _contiguous_bytes(t: Tensor) -> int:
-    """Bytes in the innermost contiguous run of an access: what one DMA descriptor moves."""
+    """Bytes in the innermost contiguous run of an access: what one DMA descriptor moves (for a
+    gather/scatter, the run within one indexed row)."""
+    if t._indirect is not None:
+        return t._indirect.contiguous_elements() * dtypes.itemsize(t.dtype)
     view = t._view
     run = view.itemsize
     for n, s in zip(reversed(view.shape), reversed(view.strides)):
@@ -193,7 +196,7 @@ def dma_copy(
         bytes_moved=dst.nbytes,
         partitions=parts,
         bytes_per_partition=dst.nbytes // max(parts, 1),
-        contiguous_bytes=_contiguous_bytes(hbm_side) if hbm_side._indirect is None else dtypes.itemsize(hbm_side.dtype),
+        contiguous_bytes=_contiguous_bytes(hbm_side),
         dge_mode=dge_mode.name,
         dge_engine=queue,
     )

@@ -244,3 +244,111 @@ def test_bad_key_ranges_get_a_clear_error(ranges, match):
     q, k, v = _inputs(2, 4, 2, 1, 40, 64)
     with pytest.raises(ValueError, match=match):
         ops.decode_attention(q, k, v, ranges)
+
+
+# --- a paged cache, read through its block table -------------------------------------------------------------
+
+
+def _paged(batch, kv_heads, d, block_size, lengths, dtype=torch.float32, seed=9):
+    """A paged cache [blocks, block_size, Hkv, D] with each sequence's blocks scattered, and the dense
+    [B, Hkv, S, D] keys and values the block table says it holds."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = max(-(-n // block_size) for n in lengths) + 1
+    blocks = batch * per_row + 3
+    k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, d, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(blocks, generator=gen)[: batch * per_row].reshape(batch, per_row).int()
+    dense_k = k_cache[table.long()].reshape(batch, per_row * block_size, kv_heads, d).transpose(1, 2)
+    dense_v = v_cache[table.long()].reshape(batch, per_row * block_size, kv_heads, d).transpose(1, 2)
+    return k_cache, v_cache, table, dense_k, dense_v
+
+
+@pytest.mark.parametrize(
+    "block_size, lengths, sq, kwargs",
+    [
+        (16, [300, 1000], 1, dict(causal=True)),
+        (256, [700, 1500, 0], 3, dict(causal=True, window=200)),
+        (8, [2500], 2, dict(causal=True, softcap=5.0)),
+    ],
+    ids=["blocks-16", "blocks-256-window-empty-row", "blocks-8-softcap"],
+)
+def test_a_paged_cache_read_through_its_block_table_matches_the_dense_reference(block_size, lengths, sq, kwargs):
+    batch, heads, kv_heads, d = len(lengths), 8, 2, 64
+    k_cache, v_cache, table, dense_k, dense_v = _paged(batch, kv_heads, d, block_size, lengths)
+    q = _inputs(batch, heads, kv_heads, sq, 1, d, seed=10)[0]
+    args = (k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d), table, block_size, lengths, d**-0.5)
+    options = (kwargs["causal"], kwargs.get("window") or 0, kwargs.get("softcap") or 0.0)
+    (out, lse), kernels = _kernels_run(lambda: ops.flash_decode_paged_fwd(q, *args, *options))
+    assert kernels == ["flash_decode_paged_fwd"]
+    expected = _per_row_reference(q, dense_k, dense_v, [(0, n) for n in lengths], **kwargs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert out[0].abs().max() > 0 and all((out[b] == 0).all() for b, n in enumerate(lengths) if n == 0)
+
+
+def test_a_paged_bf16_cache_is_within_twice_torchs_own_bf16_error():
+    lengths, kv_heads, d = [1100, 600], 2, 128
+    k_cache, v_cache, table, dense_k, dense_v = _paged(2, kv_heads, d, 32, lengths, torch.bfloat16)
+    q = _inputs(2, 8, kv_heads, 2, 1, d, torch.bfloat16, seed=11)[0]
+    out, _ = ops.flash_decode_paged_fwd(
+        q, k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d), table, 32, lengths, d**-0.5, True, 0, 0.0
+    )
+    exact, torch_bf16 = torch.zeros(q.shape), torch.zeros(q.shape)
+    for b, n in enumerate(lengths):
+        k, v = dense_k[b : b + 1, :, :n], dense_v[b : b + 1, :, :n]
+        exact[b : b + 1] = _reference(q[b : b + 1], k, v, causal=True)
+        keep = ops._visible(2, n, True, None, None, q.device)
+        torch_bf16[b : b + 1] = F.scaled_dot_product_attention(
+            q[b : b + 1], k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=keep
+        ).float()
+    torch_error, kernel_error = (torch_bf16 - exact).abs().max(), (out.float() - exact).abs().max()
+    assert torch_error > 0
+    assert kernel_error <= 2 * torch_error, (kernel_error, torch_error)
+
+
+def test_a_paged_cache_reads_only_the_blocks_the_lengths_cover_once_for_every_kv_head():
+    lengths, kv_heads, d, block_size = [300, 1000], 2, 64, 16
+    k_cache, v_cache, table, _, _ = _paged(2, kv_heads, d, block_size, lengths, torch.bfloat16)
+    q = _inputs(2, 8, kv_heads, 1, 1, d, torch.bfloat16)[0]
+    result = sim.run(
+        DECODE.flash_decode_paged_fwd,
+        q,
+        k_cache.view(-1, kv_heads, d),
+        v_cache.view(-1, kv_heads, d),
+        table,
+        block_size,
+        tuple(lengths),
+        0.125,
+        True,
+        0,
+        0.0,
+    )
+    gathered = [i for i in result.trace.instructions if i.op == "dma_copy" and i.hbm_bytes_read > 4096]
+    kv_bytes = 2 * sum(lengths) * kv_heads * d * 2  # K and V of every key, all KV heads, read once
+    assert sum(i.hbm_bytes_read for i in gathered) == kv_bytes
+    # each partition's T slots of every KV head are one contiguous run (not a run per head and slot)
+    assert all(i.attrs["contiguous_bytes"] == i.attrs["bytes_per_partition"] >= 256 for i in gathered)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(block_size=24), "block_size 24 does not divide"),
+        (dict(lengths=[300, 10_000]), "lengths must be one per batch row \\(2\\), each 0..1024"),
+        (dict(table_dtype=torch.int64), "block_table must be a contiguous int32 tensor"),
+    ],
+)
+def test_bad_paged_arguments_get_a_clear_error(change, match):
+    k_cache, v_cache, table, _, _ = _paged(2, 2, 64, 16, [300, 1000])
+    q = _inputs(2, 8, 2, 1, 1, 64)[0]
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.flash_decode_paged_fwd(
+            q,
+            k_cache.view(-1, 2, 64),
+            v_cache.view(-1, 2, 64),
+            table.to(change.get("table_dtype", torch.int32)),
+            change.get("block_size", 16),
+            change.get("lengths", [300, 1000]),
+            0.125,
+            True,
+            0,
+            0.0,
+        )

@@ -228,7 +228,8 @@ def test_flash_attn_with_kvcache_appends_and_attends(paged):
             return_softmax_lse=True,
         )
     assert out.shape == q.shape and lse.shape == (batch, 4, 2)
-    assert [t.kernel for t in traces] == ["flash_decode_fwd"]  # ragged lengths, paged or not: one launch
+    # ragged lengths in one launch; a paged cache read by the kernel through the block table
+    assert [t.kernel for t in traces] == ["flash_decode_paged_fwd" if paged else "flash_decode_fwd"]
     for b, n in enumerate(lengths.tolist()):
         keys = torch.cat([dense_k[b, :n], new_k[b]])
         values = torch.cat([dense_v[b, :n], new_v[b]])

@@ -254,6 +254,16 @@ def test_dma_copy_indirect_gather_rows(dtype):
     assert_bits_equal(out, data[idx[:, 0]])
 
 
+def test_an_indirect_gather_records_the_row_as_its_contiguous_run():
+    """The cost model prices a DMA by its descriptors' contiguous bytes: a gather of whole rows moves a
+    row per descriptor, not one element."""
+    data = rand((64, 16), np.float32, seed=7)
+    idx = np.arange(32, dtype=np.uint32).reshape(32, 1)
+    result = sim.run(_gather_kernel(nisa.oob_mode.error), data, idx)
+    gather = [i for i in result.trace.instructions if i.op == "dma_copy"][1]
+    assert gather.attrs["contiguous_bytes"] == 16 * 4
+
+
 def test_dma_copy_indirect_gather_out_of_bounds_skip_vs_error():
     data = rand((64, 16), seed=8)
     idx = np.arange(32, dtype=np.uint32).reshape(32, 1) * 2

@@ -28,8 +28,10 @@ from .attention import (
     MAX_HEAD_DIM,
     _check_options,
     decode_attention,
+    decodes,
     flash_attention,
     flash_attn_varlen,
+    flash_decode_paged_fwd,
 )
 
 _Result = TypeVar("_Result")
@@ -536,6 +538,13 @@ def _check_kvcache(op: str, q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
     return lengths
 
 
+def _reads_pages(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the paged decode kernel reads a paged cache ``[blocks, block_size, Hkv, D]`` itself: few
+    queries (``decodes``), the query in the cache's dtype, a contiguous cache."""
+    kv_heads_first = k_cache[:1, :1].permute(0, 2, 1, 3)  # decodes() reads the KV head count and D
+    return query.dtype == k_cache.dtype and k_cache.is_contiguous() and decodes(query, kv_heads_first)
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -567,6 +576,10 @@ def flash_attn_with_kvcache(
     before the cache is written; a paged sequence reads only the blocks its length covers (entries of
     ``block_table`` past them are unused and may be anything). With ``return_softmax_lse`` returns
     ``(out, softmax_lse [B, H, Sq])``.
+
+    Up to 16 queries run the decode kernel in one launch for the batch: a dense cache with each row's
+    length as its key range, a paged one read by the kernel through ``block_table`` (gather DMAs; the
+    query in the cache's dtype and the cache contiguous, else torch gathers the blocks first).
     """
     op = "flash_attn_with_kvcache"
     _unsupported(
@@ -593,19 +606,32 @@ def flash_attn_with_kvcache(
             )
             k_cache[rows, slots] = k[b].to(k_cache.dtype)
             v_cache[rows, slots] = v[b].to(v_cache.dtype)
-    if block_table is None:
-        keys, values = k_cache[:batch, :longest], v_cache[:batch, :longest]
-    else:  # a paged cache: each sequence's blocks gathered into rows (by torch, not by the kernel)
-        keys = k_cache.new_zeros(batch, longest, kv_heads, d)
-        values = v_cache.new_zeros(batch, longest, kv_heads, d)
-        for b, total in enumerate(totals):
-            rows, slots = _cache_positions(k_cache, block_table, b, torch.arange(total, device=k_cache.device))
-            keys[b, :total], values[b, :total] = k_cache[rows, slots], v_cache[rows, slots]
     query = q.transpose(1, 2)
     if longest == 0:  # nothing cached and nothing new: no key to see
         out = torch.zeros_like(query)
         lse = query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32)
+    elif block_table is not None and _reads_pages(query, k_cache):  # the kernel gathers the blocks itself
+        out, lse = flash_decode_paged_fwd(
+            query.contiguous(),
+            k_cache.view(-1, kv_heads, d),
+            v_cache.view(-1, kv_heads, d),
+            block_table.to(torch.int32).contiguous(),
+            k_cache.shape[1],
+            totals,
+            float(softmax_scale) if softmax_scale is not None else d**-0.5,
+            bool(causal),
+            int(window or 0),
+            float(softcap or 0.0),
+        )
     else:
+        if block_table is None:
+            keys, values = k_cache[:batch, :longest], v_cache[:batch, :longest]
+        else:  # a paged cache the decode kernel does not take: each sequence's blocks gathered by torch
+            keys = k_cache.new_zeros(batch, longest, kv_heads, d)
+            values = v_cache.new_zeros(batch, longest, kv_heads, d)
+            for b, total in enumerate(totals):
+                rows, slots = _cache_positions(k_cache, block_table, b, torch.arange(total, device=k_cache.device))
+                keys[b, :total], values[b, :total] = k_cache[rows, slots], v_cache[rows, slots]
         out, lse = decode_attention(
             query,
             keys.transpose(1, 2),
@@ -617,7 +643,7 @@ def flash_attn_with_kvcache(
             softcap=softcap or None,
             return_lse=True,
         )
-        lse[torch.tensor(totals, device=lse.device) == 0] = float("-inf")  # an empty sequence, as FlashAttention
+    lse[torch.tensor(totals, device=lse.device) == 0] = float("-inf")  # an empty sequence, as FlashAttention
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out
 

@@ -366,6 +366,59 @@ torch.library.register_autograd(f"{_NS}::flash_decode_fwd", _decode_backward, se
 # --- public functions -----------------------------------------------------------------------------------
 
 
+def _validate_paged(q, k_slots, v_slots, block_table, block_size, lengths) -> None:
+    for name, t in (("q", q), ("k_slots", k_slots), ("v_slots", v_slots)):
+        check_float_tensor("flash_decode_paged_fwd", name, t)
+    if block_table.dtype != torch.int32 or not block_table.is_contiguous():
+        raise TypeError(
+            f"flash_decode_paged_fwd: block_table must be a contiguous int32 tensor, got {block_table.dtype}"
+        )
+    batch, heads, sq, d = q.shape
+    kv_heads = k_slots.shape[1] if k_slots.dim() == 3 else 0
+    _decode.check_shapes(tuple(q.shape), (batch, kv_heads, 1, d), (batch, kv_heads, 1, d))
+    _decode.check_paged(
+        tuple(k_slots.shape), tuple(v_slots.shape), tuple(block_table.shape), block_size, lengths, batch
+    )
+
+
+@define_op(f"{_NS}::flash_decode_paged_fwd")
+def flash_decode_paged_fwd(
+    q: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    lengths: list[int],
+    scale: float,
+    causal: bool,
+    window: int,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel against a paged cache (inference only, as FlashAttention's kvcache function):
+    q [B, H, Sq, D], the cache's slots [blocks * block_size, Hkv, D], its block table [B, max_blocks]
+    int32; row b attends to its first ``lengths[b]`` cached keys. Returns (out, lse) as ``flash_decode_fwd``."""
+    _validate_paged(q, k_slots, v_slots, block_table, block_size, lengths)
+    return run_kernel(
+        _decode.flash_decode_paged_fwd,
+        q,
+        k_slots,
+        v_slots,
+        block_table,
+        int(block_size),
+        tuple(int(n) for n in lengths),
+        float(scale),
+        bool(causal),
+        int(window),
+        float(softcap),
+    )
+
+
+@flash_decode_paged_fwd.register_fake
+def _(q, k_slots, v_slots, block_table, block_size, lengths, scale, causal, window, softcap):
+    _validate_paged(q, k_slots, v_slots, block_table, block_size, lengths)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -48,6 +48,18 @@ class Indirect:
     steps: tuple[int, ...]
     nums: tuple[int, ...]
 
+    def contiguous_elements(self) -> int:
+        """Elements in the innermost contiguous run of the access (inside one indexed row: a run never
+        continues across the indirect dim, whose rows land anywhere)."""
+        run = 1
+        for d in range(len(self.nums) - 1, self.dim, -1):
+            if self.nums[d] == 1:
+                continue
+            if self.steps[d] != run:
+                break
+            run *= self.nums[d]
+        return run
+
     def flat_offsets(self, size: int, instruction: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray]:
         """Offsets into the flattened allocation and a mask of the in-bounds ones."""
         # A [P, N] index tile is read column by column (indices.T.flatten()), as a gather-transpose
