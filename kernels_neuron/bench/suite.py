@@ -25,7 +25,7 @@ from kernels_neuron import sim
 sim.install()  # the kernels import ``nki``: real NKI on a Trainium host, else the simulator
 from kernels_neuron.sim.examples import tiled_matmul  # noqa: E402
 from nki_src.attention import flash_attn_bwd, flash_attn_fwd  # noqa: E402
-from nki_src.attention_decode import flash_decode_fwd  # noqa: E402
+from nki_src.attention_decode import flash_decode_fwd, flash_decode_paged_fwd  # noqa: E402
 from nki_src.layernorm import layernorm_bwd, layernorm_fwd  # noqa: E402
 from nki_src.mlp import mlp_bwd, mlp_fwd, plain_mlp_bwd, plain_mlp_fwd, saved_shape  # noqa: E402
 from nki_src.moe import moe_fwd  # noqa: E402
@@ -314,6 +314,50 @@ def decode_case(name: str, model: str, batch: int, heads: int, kv_heads: int, sq
     )
 
 
+def _paged_inputs(batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int, block_size: int, seed: int) -> tuple:
+    """A paged cache holding ``sk`` keys per sequence in blocks scattered over the cache."""
+    rng = np.random.default_rng(seed)
+    per_row = -(-sk // block_size)
+    slots = batch * per_row * block_size
+    q = _draw(rng, batch, heads, sq, d)
+    k_slots, v_slots = _draw(rng, slots, kv_heads, d), _draw(rng, slots, kv_heads, d)
+    table = rng.permutation(batch * per_row).reshape(batch, per_row).astype(np.int32)
+    return (q, k_slots, v_slots, table, block_size, (sk,) * batch, d**-0.5, True, 0, 0.0)
+
+
+def _paged_forward(q, k_slots, v_slots, block_table, block_size, lengths, scale, causal, window, softcap):
+    """The same attention in torch: each sequence's blocks gathered through the table, then sdpa (GQA)
+    over its ``lengths`` keys (the suite gives every sequence the same length)."""
+
+    def attend():
+        kv_heads, d = k_slots.shape[1], k_slots.shape[2]
+        blocks = block_table.long()
+        keys = k_slots.view(-1, block_size, kv_heads, d)[blocks].flatten(1, 2).transpose(1, 2)[:, :, : lengths[0]]
+        values = v_slots.view(-1, block_size, kv_heads, d)[blocks].flatten(1, 2).transpose(1, 2)[:, :, : lengths[0]]
+        return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
+
+    return attend
+
+
+def decode_paged_case(
+    name: str, model: str, batch: int, heads: int, kv_heads: int, sk: int, block_size: int, d: int = 128
+) -> Case:
+    """``decode_case`` with one query per sequence against a paged cache (FlashAttention's
+    ``[blocks, block_size, Hkv, D]`` viewed flat, the blocks scattered), read by the kernel through
+    the block table."""
+    return Case(
+        name=name,
+        kernel=flash_decode_paged_fwd,
+        make_inputs=partial(_paged_inputs, batch, heads, kv_heads, 1, sk, d, block_size),
+        shape={"B": batch, "H": heads, "Hkv": kv_heads, "Sq": 1, "Sk": sk, "d": d, "block_size": block_size},
+        dtype="bfloat16",
+        model=model,
+        reference_name="block-table gather + scaled_dot_product_attention",
+        prepare_reference=_paged_forward,
+        standard_flops=4 * batch * heads * sk * d,
+    )
+
+
 def _draw(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
     """Standard-normal bf16 values of ``shape`` scaled by ``scale`` (drawn in fp32, rounded once)."""
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
@@ -533,6 +577,10 @@ CASES: list[Case] = [
     decode_case("attention-fwd/qwen3-8b/decode-1-of-4096", "Qwen3-8B", 1, 1, 1, 1, 4096),
     decode_case("attention-fwd/qwen3-8b/decode-gqa-b1-of-4096", "Qwen3-8B", 1, 32, 8, 1, 4096),
     decode_case("attention-fwd/llama3-8b/decode-gqa-b8-of-4096", "Llama-3-8B", 8, 32, 8, 1, 4096),
+    # The same layers against a paged cache (vLLM-sized blocks of 16, FlashAttention's of 256).
+    decode_paged_case("attention-fwd/qwen3-8b/decode-paged16-b1-of-4096", "Qwen3-8B", 1, 32, 8, 4096, 16),
+    decode_paged_case("attention-fwd/llama3-8b/decode-paged16-b8-of-4096", "Llama-3-8B", 8, 32, 8, 4096, 16),
+    decode_paged_case("attention-fwd/llama3-8b/decode-paged256-b8-of-4096", "Llama-3-8B", 8, 32, 8, 4096, 256),
     # Speculative / chunked decode: a few queries per sequence against a long cache.
     decode_case("attention-fwd/llama3-8b/spec-decode-4-of-4096", "Llama-3-8B", 1, 1, 1, 4, 4096),
     decode_case("attention-fwd/llama3-8b/spec-decode-16-of-4096", "Llama-3-8B", 1, 1, 1, 16, 4096),
