@@ -61,6 +61,7 @@ CHUNK_BYTES = 4 * 1024  # K bytes per partition per chunk: a DMA saturates from 
 # for the rest (K^T, probabilities, queries: 12 KiB measured at T = 16, 8 KV heads, d = 128, where the
 # peak is 209,194 of Trn2's 229,376 bytes per partition).
 PAGED_KEY_LOADS = 3
+MAX_PAGED_SLOTS = 2**24  # the block table becomes slot indices in fp32 arithmetic, exact to 2**24
 PAGED_SBUF_RESERVE = 24 * 1024
 TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied out by one instruction
 FP32_MIN = -3.4028234663852886e38
@@ -169,6 +170,11 @@ def check_paged(k_shape, v_shape, table_shape, block_size, lengths, batch):
         )
     if block_size < 1 or k_shape[0] % block_size:
         raise ValueError(f"flash_decode_paged: block_size {block_size} does not divide the {k_shape[0]} slots")
+    if k_shape[0] > MAX_PAGED_SLOTS:
+        raise ValueError(
+            f"flash_decode_paged: {k_shape[0]} cache slots, above the limit of {MAX_PAGED_SLOTS} (slot "
+            "indices are computed on chip in fp32, exact up to 2**24)"
+        )
     if len(table_shape) != 2 or table_shape[0] != batch:
         raise ValueError(f"flash_decode_paged: block_table must be [batch={batch}, max_blocks], got {table_shape}")
     capacity = table_shape[1] * block_size

@@ -328,6 +328,11 @@ def test_a_paged_cache_reads_only_the_blocks_the_lengths_cover_once_for_every_kv
     assert all(i.attrs["contiguous_bytes"] == i.attrs["bytes_per_partition"] >= 256 for i in gathered)
 
 
+def test_a_cache_with_more_slots_than_fp32_counts_exactly_is_refused():
+    with pytest.raises(ValueError, match="above the limit of 16777216 \\(slot indices are computed on chip in fp32"):
+        DECODE.check_paged((2**24 + 16, 2, 64), (2**24 + 16, 2, 64), (1, 4), 16, (10,), 1)
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
