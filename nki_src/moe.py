@@ -22,7 +22,7 @@ How ragged groups are handled: a block layout
     number of blocks is bounded by a static ``num_blocks`` (every expert could end one block partly
     full), so the kernel's outer loop is static over the block slots, and everything that depends on
     the routing is a runtime value:
-      - ``block_info[b] = (expert, used token tiles, used)``, read into engine registers: a block with
+      - ``block_info[b] = (expert, used token tiles, used, ...)``, read into engine registers: a block with
         ``used = 0`` runs nothing (a dynamic loop of zero trips), so experts with no token read none of
         their weights; the expert register offsets the weight reads (``.ap(scalar_offset=...)``); the
         token tiles of a block are a dynamic loop;
@@ -76,7 +76,9 @@ from .mlp import (  # noqa: F401  (ACTIVATIONS, DTYPES, MAX_HIDDEN*, max_hidden:
 TOKEN_TILE = 128  # slots per token tile: one gather of rows onto partitions, one transpose
 MAX_BLOCK_TOKENS = 1024  # slots of one block, whose x^T stays in SBUF while the expert's weights stream past
 PLAN_SBUF_BYTES = 192 * 1024  # the block layout is planned for Trn1's SBUF, the smallest target's
-BLOCK_FIELDS = 3  # block_info columns: expert, used token tiles, used (0 or 1)
+# block_info columns: expert, used token tiles, used (0 or 1), and for the backward, which accumulates an
+# expert's weight gradients over its blocks: starts (1: the expert's first block), continues (1: a later one)
+BLOCK_FIELDS = 5
 # Weight tiles whose reads are issued ahead of the tile in use: DMA queues run in order, so a read issued
 # after a tile's stores (partial sums, scattered rows) would wait for them and stall TensorE.
 PREFETCH = 2
@@ -123,22 +125,33 @@ def _part_tile_bytes(block, dtype):
     return block * size + (PREFETCH + 2) * P * size
 
 
-def block_plan(tokens, hidden, inter, dtype):
-    """(tile, block tiles): slots per token tile and token tiles per block, the largest block (up to
-    MAX_BLOCK_TOKENS, in powers of two of tiles) whose x^T leaves room for one intermediate tile in
-    PLAN_SBUF_BYTES. The routing layout depends on it, so it depends on no target."""
+def largest_block(tokens, fits):
+    """(tile, block tiles): slots per token tile and the most token tiles per block (up to
+    MAX_BLOCK_TOKENS, in powers of two of tiles) for which ``fits(tile, block_tiles)``, or None."""
     tile = min(TOKEN_TILE, tokens)
-    most = min(ceil_div(tokens, tile), MAX_BLOCK_TOKENS // tile)
-    block_tiles = most
+    block_tiles = min(ceil_div(tokens, tile), MAX_BLOCK_TOKENS // tile)
     while block_tiles >= 1:
-        block = block_tiles * tile
-        if _fixed_bytes(tile, block, hidden, dtype) + _part_tile_bytes(block, dtype) <= PLAN_SBUF_BYTES:
+        if fits(tile, block_tiles):
             return tile, block_tiles
         block_tiles //= 2
-    raise ValueError(
-        f"moe_experts: hidden size {hidden} ({dtype_name(dtype)}) does not fit the "
-        f"{PLAN_SBUF_BYTES // 1024} KiB of SBUF per partition the block layout is planned for"
-    )
+    return None
+
+
+def block_plan(tokens, hidden, inter, dtype):
+    """(tile, block tiles) of the forward: the largest block whose x^T leaves room for one intermediate
+    tile in PLAN_SBUF_BYTES. The routing layout depends on it, so it depends on no target."""
+
+    def fits(tile, block_tiles):
+        block = block_tiles * tile
+        return _fixed_bytes(tile, block, hidden, dtype) + _part_tile_bytes(block, dtype) <= PLAN_SBUF_BYTES
+
+    plan = largest_block(tokens, fits)
+    if plan is None:
+        raise ValueError(
+            f"moe_experts: hidden size {hidden} ({dtype_name(dtype)}) does not fit the "
+            f"{PLAN_SBUF_BYTES // 1024} KiB of SBUF per partition the block layout is planned for"
+        )
+    return plan
 
 
 def part_tiles(tile, block, hidden, inter, dtype, sbuf_bytes):
@@ -147,14 +160,41 @@ def part_tiles(tile, block, hidden, inter, dtype, sbuf_bytes):
     return max(1, min(ceil_div(inter, P), fit))
 
 
-def routing_shape(tokens, top_k, experts, hidden, inter, dtype):
-    """(tile, block, num_blocks): the block layout's sizes. ``num_blocks`` bounds the blocks any
-    routing needs: an expert's n choices take ceil(n / block) blocks, at most (n + block - 1) / block,
-    and the choices of all experts sum to T*k (each block also holds at least one choice)."""
-    tile, block_tiles = block_plan(tokens, hidden, inter, dtype)
+def routing_shape(tokens, top_k, experts, hidden, inter, dtype, plan=block_plan):
+    """(tile, block, num_blocks): the block layout's sizes, from ``plan`` (the forward's
+    :func:`block_plan`, or the backward's). ``num_blocks`` bounds the blocks any routing needs: an
+    expert's n choices take ceil(n / block) blocks, at most (n + block - 1) / block, and the choices of
+    all experts sum to T*k (each block also holds at least one choice)."""
+    tile, block_tiles = plan(tokens, hidden, inter, dtype)
     block = tile * block_tiles
     choices = tokens * top_k
     return tile, block, min(choices, (choices + experts * (block - 1)) // block)
+
+
+def expert_rows(weight, expert, r0, rows, c0, cols):
+    """weight[expert, r0 : r0 + rows, c0 : c0 + cols] of an [E, R, C] weight, the expert a register: an
+    access pattern whose start moves by whole experts (``scalar_offset``)."""
+    width = weight.shape[2]
+    return weight.ap(pattern=[[width, rows], [1, cols]], offset=r0 * width + c0, scalar_offset=expert)
+
+
+def check_tables(kernel, routing, layout, block_info, slot_token, slot_row, slot_weight):
+    """Raise ValueError naming ``kernel`` when a routing table's shape is not the block layout's
+    (``routing``: tokens, top_k, experts; ``layout``: block and num_blocks from a routing_shape)."""
+    tokens, top_k, experts = routing
+    block, num_blocks = layout
+    expected = {
+        "block_info": (block_info, (num_blocks, BLOCK_FIELDS)),
+        "slot_token": (slot_token, (num_blocks * block, 1)),
+        "slot_row": (slot_row, (num_blocks * block, 1)),
+        "slot_weight": (slot_weight, (num_blocks * block, 1)),
+    }
+    for name, (table, shape) in expected.items():
+        if tuple(table.shape) != shape:
+            raise ValueError(
+                f"{kernel}: {name} of shape {tuple(table.shape)} is not {shape} (the block layout of "
+                f"{tokens} tokens, top-{top_k}, {experts} experts: routing_shape)"
+            )
 
 
 class _Block(nl.NKIObject):
@@ -180,7 +220,7 @@ class _WeightStream(nl.NKIObject):
         raw = nl.ndarray((rows, cols), self.experts.dtype, buffer=nl.sbuf)
         for k0, k in tiles(cols, WEIGHT_ROW_CHUNK):
             nisa.dma_copy(
-                dst=raw[:, k0 : k0 + k], src=self.experts.weight_rows(weight, self.expert, r0, rows, c0 + k0, k)
+                dst=raw[:, k0 : k0 + k], src=expert_rows(weight, self.expert, r0, rows, c0 + k0, k)
             )
         self.loaded.append((raw, rows, cols))
         self.issued += 1
@@ -216,12 +256,6 @@ class _Experts(nl.NKIObject):
         self.inter = w_down.shape[2]
         self.dtype = x.dtype
         self.evictions = _Evictions()
-
-    def weight_rows(self, weight, expert, r0, rows, c0, cols):
-        """weight[expert, r0 : r0 + rows, c0 : c0 + cols], the expert a register: an access pattern
-        whose start moves by whole experts (``scalar_offset``)."""
-        width = weight.shape[2]
-        return weight.ap(pattern=[[width, rows], [1, cols]], offset=r0 * width + c0, scalar_offset=expert)
 
     def weight_stream(self, blk, parts):
         """The block's weight tiles in use order: per part, each intermediate tile's gate and up rows,
@@ -365,7 +399,8 @@ def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight,
     Args:
         x: [T, H] the tokens (each token's row once; the slots index it).
         w_gate_up: [E, 2I, H] each expert's gate rows, then its up rows. w_down: [E, H, I].
-        block_info: int32 [NB, 3] per block slot (expert, used token tiles, used 0/1).
+        block_info: int32 [NB, BLOCK_FIELDS] per block slot (expert, used token tiles, used 0/1, and
+            the backward's starts/continues flags, unused here).
         slot_token: int32 [NB * block, 1] the token of each slot (T for padding).
         slot_row: int32 [NB * block, 1] the choice t*k + j of each slot (T*k for padding).
         slot_weight: float32 [NB * block, 1] the routing weight of each slot (0 for padding).
@@ -389,18 +424,7 @@ def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight,
     tokens, hidden = x.shape
     experts, _, inter = w_down.shape
     tile, block, num_blocks = routing_shape(tokens, top_k, experts, hidden, inter, dtype)
-    expected = {
-        "block_info": (block_info, (num_blocks, BLOCK_FIELDS)),
-        "slot_token": (slot_token, (num_blocks * block, 1)),
-        "slot_row": (slot_row, (num_blocks * block, 1)),
-        "slot_weight": (slot_weight, (num_blocks * block, 1)),
-    }
-    for name, (table, shape) in expected.items():
-        if tuple(table.shape) != shape:
-            raise ValueError(
-                f"moe_experts: {name} of shape {tuple(table.shape)} is not {shape} (the block layout of "
-                f"{tokens} tokens, top-{top_k}, {experts} experts: routing_shape)"
-            )
+    check_tables("moe_experts", (tokens, top_k, experts), (block, num_blocks), block_info, slot_token, slot_row, slot_weight)
     n_part = part_tiles(tile, block, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
     i_tiles = list(tiles(inter, P))
     parts = [i_tiles[k : k + n_part] for k in range(0, len(i_tiles), n_part)]
