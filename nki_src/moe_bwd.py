@@ -14,10 +14,9 @@ gate, up and down weights:
 Dimensions
     As the forward's: T tokens, k choices, E experts, H hidden, I intermediate (any sizes, last tiles
     partial), x, dy and the weights in one of bfloat16, float16, float32; matmuls accumulate in fp32
-    PSUM, dx's sums over the intermediate and the routing weights' gradients in fp32 SBUF. The hidden
-    size is also bounded by this kernel's SBUF plan (:func:`block_plan`): a token tile's rows, their
-    transposes and dx's fp32 sums beside one intermediate tile's gate/up rows must fit, about
-    H <= 8000 for 2-byte dtypes and 3900 for fp32 (DeepSeek-V3's 7168 fits).
+    PSUM, dx's sums over the intermediate and the routing weights' gradients in fp32 SBUF. The
+    forward's limits hold here too: at its hidden-size limits a block is one token tile
+    (:func:`block_plan`).
 
 Block layout
     The forward's (``nki_src/moe.py``: the choices sorted by expert, cut into blocks, read at run time
@@ -33,7 +32,8 @@ Block layout
 Tiling plan (per used block, token-major: a token tile's slots on partitions)
     The block stays on chip: x's and dy_e's gathered rows (the weight gradients contract over tokens),
     x^T and dy^T (transposed on TensorE once; g, u and da contract over H) and dx's fp32 sums. The
-    intermediate goes in parts of up to ``part_width`` columns, as the forward's:
+    intermediate goes in parts (:func:`part_plan`: up to DA_PSUM_COLUMNS / block tiles columns, as many
+    as SBUF holds), as the forward's:
       1. da for the part, per hidden tile: the down weight's row segment for the part is read in its own
          layout (the moving operand; nothing transposed) and each token tile's da accumulates over the
          hidden tiles in PSUM (DA_PSUM_COLUMNS per partition for the block), then goes to SBUF (fp32).
@@ -42,7 +42,7 @@ Tiling plan (per used block, token-major: a token tile's slots on partitions)
          routing weight (``mlp._elementwise_grads``: ScalarE, VectorE, GpSimd) and the routing weight's
          gradient adds a . da; dg and du are transposed and dx's sums add dg Wg + du Wu (the rows as
          read are the moving operand); dWg's and dWu's rows sum over the token tiles in PSUM (dg, du
-         stationary, x's rows moving) and are written whole.
+         stationary, x's rows moving) and are written in 4 KiB row segments.
       3. dWd for the part, per hidden tile: dy_e's rows stationary, a moving, summed over the token
          tiles in PSUM, written as [hidden tile, part] segments.
     Every used block reads its expert's weights once, gate/up rows two tiles ahead when SBUF allows.
@@ -53,7 +53,15 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ._common import P, ceil_div, dtype_name, itemsize, tiles
-from .mlp import PSUM_BANK_BYTES, SBUF_RESERVE, WEIGHT_ROW_CHUNK, _elementwise_grads, _Evictions, _transpose_rows_into
+from .mlp import (
+    PSUM_BANK_BYTES,
+    SATURATING_ROW_BYTES,
+    SBUF_RESERVE,
+    WEIGHT_ROW_CHUNK,
+    _elementwise_grads,
+    _Evictions,
+    _transpose_rows_into,
+)
 from .moe import (
     BLOCK_FIELDS,
     PLAN_SBUF_BYTES,
@@ -79,18 +87,23 @@ def part_width(block_tiles):
     return width
 
 
-def _sbuf_bytes(tile, block_tiles, hidden, inter, dtype, ahead):
-    """SBUF per partition of a block of ``block_tiles`` token tiles (``ahead``: 1 when the next
-    intermediate tile's gate/up rows are read while this one's are in use)."""
+def _grad_row_columns(hidden, dtype):
+    """Columns of a weight gradient's rows per SBUF tile and store: rows of SATURATING_ROW_BYTES."""
+    return min(hidden, SATURATING_ROW_BYTES // itemsize(dtype))
+
+
+def _sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
+    """SBUF per partition of a block of ``block_tiles`` token tiles with parts of up to ``width``
+    intermediate columns (``ahead``: 1 when the next intermediate tile's gate/up rows are read while
+    this one's are in use)."""
     size = itemsize(dtype)
     h_cols = ceil_div(hidden, P) * P
-    width = min(part_width(block_tiles), ceil_div(inter, P) * P)
-    chunk = min(hidden, WEIGHT_ROW_CHUNK)
+    part = min(width, ceil_div(inter, P) * P)
     per_tile = (
         2 * (h_cols // P) * tile * size  # x^T, dy^T
         + 2 * hidden * size  # x's and dy_e's rows
         + 4 * hidden  # dx's sums
-        + width * (4 + size)  # the part's da (fp32) and a
+        + part * (4 + size)  # the part's da (fp32) and a
         + 4 * P * size  # g, u, dg, du of an intermediate tile
         + 2 * 4  # the routing weight and its gradient's sum
     )
@@ -98,19 +111,30 @@ def _sbuf_bytes(tile, block_tiles, hidden, inter, dtype, ahead):
         SBUF_RESERVE
         + (2 + 2 * ahead) * hidden * size  # gate and up rows in use (and the next tile's)
         + h_cols * size  # one of them transposed
-        + (1 + DOWN_PREFETCH) * width * size  # down-weight row segments in flight
-        + 2 * (chunk + width) * size  # a weight gradient's rows and, in a later block, their earlier sums
+        + (1 + DOWN_PREFETCH) * part * size  # down-weight row segments in flight
+        + 2 * (_grad_row_columns(hidden, dtype) + part) * size  # weight-gradient rows, and their earlier sums
         + 2 * tile * size  # dg^T, du^T of a token tile
     )
     return fixed + block_tiles * per_tile
 
 
+def part_plan(tile, block_tiles, hidden, inter, dtype, sbuf_bytes):
+    """(width, ahead): the widest part (a power of two of columns, at most :func:`part_width`) that fits
+    ``sbuf_bytes``, and 1 when reading gate/up rows ahead fits beside it too; None if no part fits."""
+    width = part_width(block_tiles)
+    while width >= P:
+        if _sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, 0) <= sbuf_bytes:
+            return width, int(_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, 1) <= sbuf_bytes)
+        width //= 2
+    return None
+
+
 def block_plan(tokens, hidden, inter, dtype):
-    """(tile, block tiles) of the backward's block layout: the largest block that fits PLAN_SBUF_BYTES
-    without reading ahead (the layout depends on no target; reading ahead does, :func:`moe_bwd`)."""
+    """(tile, block tiles) of the backward's block layout: the largest block for which some part fits
+    PLAN_SBUF_BYTES (the layout depends on no target; the part and reading ahead do, :func:`moe_bwd`)."""
 
     def fits(tile, block_tiles):
-        return _sbuf_bytes(tile, block_tiles, hidden, inter, dtype, 0) <= PLAN_SBUF_BYTES
+        return part_plan(tile, block_tiles, hidden, inter, dtype, PLAN_SBUF_BYTES) is not None
 
     plan = largest_block(tokens, fits)
     if plan is None:
@@ -336,7 +360,7 @@ class _Grads(nl.NKIObject):
             def grad_rows(j, kind=kind):
                 return self.d_gate_up[:, nl.ds(j * 2 * P + kind * P, isz)]
 
-            for c0, cols in tiles(hidden, WEIGHT_ROW_CHUNK):
+            for c0, cols in tiles(hidden, _grad_row_columns(hidden, dtype)):
 
                 def x_rows(j, s0, ssz, c0=c0):
                     return self.x_rows[:, nl.ds(j * hidden + c0 + s0, ssz)]
@@ -455,9 +479,8 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
     if tuple(expert_idle.shape) != (experts, 1):
         raise ValueError(f"moe_experts backward: expert_idle of shape {tuple(expert_idle.shape)} is not ({experts}, 1)")
     block_tiles = block // tile
-    width = part_width(block_tiles)
-    sbuf = nl.tile_size.total_available_sbuf_size
-    ahead = 1 if _sbuf_bytes(tile, block_tiles, hidden, inter, dtype, 1) <= sbuf else 0
+    plan = part_plan(tile, block_tiles, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
+    width, ahead = plan if plan is not None else (P, 0)
     i_tiles = list(tiles(inter, P))
     n_part = min(len(i_tiles), width // P)
     parts = [i_tiles[k : k + n_part] for k in range(0, len(i_tiles), n_part)]

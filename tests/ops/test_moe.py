@@ -11,6 +11,7 @@ from kernels_neuron import sim
 from kernels_neuron.ops import moe as moe_op
 from kernels_neuron.ops.moe import moe_bwd, moe_experts, moe_experts_reference, moe_fwd, routing_layout
 from nki_src import moe as moe_kernels
+from nki_src import moe_bwd as moe_bwd_kernels
 
 ACTIVATIONS = ["silu", "gelu_tanh"]
 # (tokens, hidden, intermediate, experts, top_k): one token; sizes off multiples of 128 with ragged
@@ -102,13 +103,42 @@ def test_fp32_gradients_match_autograd_of_the_reference(shape, activation):
     grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(2))
     with sim.capture() as traces:
         got = _grads(moe_experts, args, activation, grad_out)
-    used = int((torch.bincount(args[1].reshape(-1), minlength=shape[3]) > 0).sum())
-    assert _launches(traces, "moe_fwd") == 1 and _launches(traces, "mlp_bwd") == used
-    want = _grads(moe_experts_reference, args, activation, grad_out)
+    assert [t.kernel for t in traces] == ["moe_fwd", "moe_bwd"]  # one grouped launch each way
+    _assert_grads_match(got, _grads(moe_experts_reference, args, activation, grad_out))
+
+
+def _assert_grads_match(got, want):
     for name, g, w in zip(GRAD_NAMES, got, want):
         assert g.shape == w.shape and g.dtype == torch.float32, name
-        assert w.abs().max() > 0, name  # a vacuous comparison would pass any tolerance
+        # a vacuous comparison would pass any tolerance
+        assert w.abs().max() > 0 and g.abs().max() > 0, name
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * w.abs().max(), msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_backward_over_several_blocks_and_parts_per_expert(monkeypatch):
+    """Blocks of one token tile, so each expert's ~200 choices span two blocks (the weight gradients'
+    read-back and add) with a partial last tile, and parts of one intermediate tile (several parts)."""
+    monkeypatch.setattr(moe_bwd_kernels, "block_plan", lambda tokens, *_: (min(128, tokens), 1))
+    monkeypatch.setattr(moe_bwd_kernels, "part_plan", lambda *_: (128, 0))
+    shape = (300, 130, 260, 3, 2)
+    args = _inputs(shape, torch.float32, seed=3)
+    layout = routing_layout(args[1], args[2], 3, 130, 260, torch.float32, backward=True)
+    assert int(layout.block_info[:, 4].sum()) >= 3  # every expert continues in a later block
+    grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(4))
+    got = _grads(moe_experts, args, "gelu_tanh", grad_out)
+    _assert_grads_match(got, _grads(moe_experts_reference, args, "gelu_tanh", grad_out))
+
+
+def test_a_masked_choice_gets_no_gradient():
+    """transformers' expert-parallel marker (index == E): the module skips the choice, so its routing
+    weight gets no gradient and it adds nothing to dx or the weight gradients."""
+    args = list(_inputs((20, 64, 96, 4, 2), torch.float32, seed=5))
+    args[1][3, 1] = 4
+    args[1][7, 0] = 4
+    grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(6))
+    got = _grads(moe_experts, args, "silu", grad_out)
+    assert got[1][3, 1] == 0 and got[1][7, 0] == 0
+    _assert_grads_match(got, _grads(moe_experts_reference, args, "silu", grad_out))
 
 
 def test_an_expert_without_tokens_gets_a_zero_weight_gradient():
@@ -135,7 +165,7 @@ def test_routing_layout_places_every_choice_once_in_its_experts_blocks():
     index, weights = _routing(tokens, experts, top_k, torch.Generator().manual_seed(5))
     layout = routing_layout(index, weights, experts, 130, 260, torch.float32)
     tile, block, num_blocks = moe_kernels.routing_shape(tokens, top_k, experts, 130, 260, "float32")
-    assert layout.block_info.shape == (num_blocks, 3) and layout.slot_token.shape == (num_blocks * block, 1)
+    assert layout.block_info.shape == (num_blocks, 5) and layout.slot_token.shape == (num_blocks * block, 1)
     rows = layout.slot_row[:, 0]
     used = rows < tokens * top_k
     assert sorted(rows[used].tolist()) == list(range(tokens * top_k))  # every choice once
@@ -145,9 +175,13 @@ def test_routing_layout_places_every_choice_once_in_its_experts_blocks():
     assert torch.equal(layout.slot_weight[used, 0], weights.reshape(-1)[rows[used].long()])
     assert torch.all(layout.slot_token[~used] == tokens) and torch.all(layout.slot_weight[~used] == 0)
     # used tiles cover exactly the block's choices, rounded up to whole token tiles
-    for b, (_, tiles_used, flag) in enumerate(layout.block_info.tolist()):
+    seen = set()
+    for b, (expert, tiles_used, flag, starts, continues) in enumerate(layout.block_info.tolist()):
         in_block = int(used[b * block : (b + 1) * block].sum())
         assert flag == (in_block > 0) and tiles_used == -(-in_block // tile)
+        # the backward's flags: an expert's first block starts its weight gradients, a later one continues
+        assert (starts, continues) == ((0, 0) if not flag else (int(expert not in seen), int(expert in seen)))
+        seen.add(expert)
 
 
 def test_unused_experts_read_none_of_their_weights():
