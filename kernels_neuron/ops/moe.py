@@ -16,11 +16,12 @@ transformers' experts modules take, the chosen experts ``top_k_index`` [T, k] an
 ``top_k_weights`` [T, k]. It builds the kernel's block layout from them (:func:`routing_layout`: the
 choices sorted by expert, each expert's group cut into blocks), a few [T*k]-sized index operations.
 
-Backward: ``moe_bwd`` runs, per expert with tokens, the dense gated MLP's NKI kernels
-(``nki_src/mlp.py``) on that expert's gathered rows: its forward again (saving its gate/up
-projections; the grouped forward saves nothing) and its backward, with the output gradient scaled by
-the routing weights. The routing weights' gradient is ``dy . y_e`` per choice, from the recomputed
-expert output. So the backward is one launch pair per expert used, not one grouped launch.
+Backward: ``moe_bwd`` is one grouped NKI launch too (``nki_src/moe.py`` ``moe_bwd``), on a block
+layout of the backward kernel's own block size (``routing_layout(..., backward=True)``): per block of
+an expert's routed tokens it recomputes the gate/up projections (the grouped forward saves nothing),
+and forms dx (scattered back to the tokens' choices, summed per token), the expert's weight gradients
+(summed over its blocks; zero for an expert no token picks) and the routing weights' gradient
+``dy . y_e`` per choice, with the expert's output gradient ``w * dy`` (w the choice's routing weight).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from torch.nn import functional as F
 from ._backend import autocast_dtype, check_float_tensor, define_op, dtype_name, nki_source, op_namespace, run_kernel
 
 _kernels = nki_source(__package__, "moe")
-_backward_kernels = nki_source(__package__, "moe_bwd")
 ACTIVATIONS = _kernels.ACTIVATIONS
 MAX_HIDDEN, MAX_HIDDEN_FP32, MAX_INTERMEDIATE = _kernels.MAX_HIDDEN, _kernels.MAX_HIDDEN_FP32, _kernels.MAX_INTERMEDIATE
 max_hidden = _kernels.max_hidden
@@ -63,12 +63,12 @@ def routing_layout(
     backward: bool = False,
 ) -> RoutingLayout:
     """Sort the T*k choices by expert and lay each expert's group out in blocks of the forward kernel's
-    size, or with ``backward`` the backward kernel's (``nki_src/moe_bwd.py``).
+    size, or with ``backward`` the backward kernel's (``nki_src/moe.py``).
 
     A choice of an expert outside 0..E-1 (transformers' expert-parallel marker E) is given to expert 0
     with weight 0, so it adds nothing (the module skips it)."""
     tokens, top_k = top_k_index.shape
-    shape = (_backward_kernels if backward else _kernels).routing_shape
+    shape = _kernels.backward_routing_shape if backward else _kernels.routing_shape
     tile, block, num_blocks = shape(tokens, top_k, experts, hidden, inter, dtype_name(dtype))
     device = top_k_index.device
     expert = top_k_index.reshape(-1).long()
@@ -199,7 +199,7 @@ def moe_bwd(
     layout = routing_layout(top_k_index, top_k_weights, experts, hidden, inter, x.dtype, backward=True)
     idle = (layout.counts == 0).to(torch.int32)[:, None]
     dx, d_weight, dw_gate_up, dw_down = run_kernel(
-        _backward_kernels.moe_bwd,
+        _kernels.moe_bwd,
         grad_out.contiguous(),
         x,
         w_gate_up,

@@ -1,8 +1,8 @@
 """MoE experts op: numerics against transformers' MixtralExperts math (fp32 tight, bf16 against torch's own
 bf16 error), ragged groups (an expert with no token, one with a single token, groups over several
-blocks and token tiles), sizes off multiples of 128, gradients (non-zero, then compared), the block
-layout, the kernel's multi-part path and skipped experts, the torch.library contract, torch.compile,
-and bad input."""
+blocks and token tiles), sizes off multiples of 128, gradients (non-zero, then compared; top-1, 2 and 4,
+experts over several backward blocks, masked choices), the block layout, the kernels' multi-part paths
+and skipped experts, the torch.library contract, torch.compile, and bad input."""
 
 import pytest
 import torch
@@ -11,7 +11,6 @@ from kernels_neuron import sim
 from kernels_neuron.ops import moe as moe_op
 from kernels_neuron.ops.moe import moe_bwd, moe_experts, moe_experts_reference, moe_fwd, routing_layout
 from nki_src import moe as moe_kernels
-from nki_src import moe_bwd as moe_bwd_kernels
 
 ACTIVATIONS = ["silu", "gelu_tanh"]
 # (tokens, hidden, intermediate, experts, top_k): one token; sizes off multiples of 128 with ragged
@@ -97,7 +96,7 @@ GRAD_NAMES = ("dx", "d_weights", "d_gate_up", "d_down")
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], (300, 130, 260, 3, 2)], ids=str)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], (300, 130, 260, 3, 2), (200, 72, 136, 3, 1)], ids=str)
 def test_fp32_gradients_match_autograd_of_the_reference(shape, activation):
     args = _inputs(shape, torch.float32, seed=1)
     grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(2))
@@ -118,8 +117,8 @@ def _assert_grads_match(got, want):
 def test_backward_over_several_blocks_and_parts_per_expert(monkeypatch):
     """Blocks of one token tile, so each expert's ~200 choices span two blocks (the weight gradients'
     read-back and add) with a partial last tile, and parts of one intermediate tile (several parts)."""
-    monkeypatch.setattr(moe_bwd_kernels, "block_plan", lambda tokens, *_: (min(128, tokens), 1))
-    monkeypatch.setattr(moe_bwd_kernels, "part_plan", lambda *_: (128, 0))
+    monkeypatch.setattr(moe_kernels, "backward_block_plan", lambda tokens, *_: (min(128, tokens), 1))
+    monkeypatch.setattr(moe_kernels, "backward_part_plan", lambda *_: (128, 0))
     shape = (300, 130, 260, 3, 2)
     args = _inputs(shape, torch.float32, seed=3)
     layout = routing_layout(args[1], args[2], 3, 130, 260, torch.float32, backward=True)
@@ -148,16 +147,17 @@ def test_an_expert_without_tokens_gets_a_zero_weight_gradient():
     assert d_gate_up[3].abs().max() > 0 and d_down[3].abs().max() > 0  # the single-token expert learns
 
 
-def test_bf16_gradients_are_within_three_times_torchs_own_bf16_error():
-    args = _inputs(SHAPES[1], torch.bfloat16, seed=1)
+@pytest.mark.parametrize("shape, activation", [(SHAPES[1], "silu"), ((200, 72, 136, 3, 1), "gelu_tanh")], ids=str)
+def test_bf16_gradients_are_within_twice_torchs_own_bf16_error(shape, activation):
+    args = _inputs(shape, torch.bfloat16, seed=1)
     grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(2))
-    got = _grads(moe_experts, args, "silu", grad_out)
-    exact = _grads(moe_experts_reference, _fp32(args), "silu", grad_out)
-    eager = _grads(moe_experts_reference, args, "silu", grad_out)
+    got = _grads(moe_experts, args, activation, grad_out)
+    exact = _grads(moe_experts_reference, _fp32(args), activation, grad_out)
+    eager = _grads(moe_experts_reference, args, activation, grad_out)
     for name, g, e, t in zip(GRAD_NAMES, got, exact, eager):
         assert g.dtype == t.dtype, name
         kernel_error, torch_error = (g.float() - e).abs().max(), (t.float() - e).abs().max()
-        assert 0 < kernel_error <= 3 * torch_error, (name, kernel_error, torch_error)
+        assert 0 < kernel_error <= 2 * torch_error, (name, kernel_error, torch_error)
 
 
 def test_routing_layout_places_every_choice_once_in_its_experts_blocks():
