@@ -546,7 +546,9 @@ def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
         + (2 + 2 * ahead) * hidden * size  # gate and up rows in use (and the next tile's)
         + h_cols * size  # one of them transposed
         + (1 + DOWN_PREFETCH) * part * size  # down-weight row segments in flight
-        + 2 * (_grad_row_columns(hidden, dtype) + part) * size  # weight-gradient rows, and their earlier sums
+        # weight-gradient rows: gate/up's of an intermediate tile as the earlier blocks left them (read while
+        # the tile computes), a segment being written, dWd's segment and two hidden tiles' earlier sums
+        + (2 * hidden + _grad_row_columns(hidden, dtype) + 3 * part) * size
         + 2 * tile * size  # dg^T, du^T of a token tile
     )
     return fixed + block_tiles * per_tile
@@ -600,6 +602,16 @@ class _BackwardBlock(nl.NKIObject):
         )
 
 
+class _Part(nl.NKIObject):
+    """A run of intermediate tiles ((start, size) each): its first column and width, and its da (fp32)
+    and a, token-major, ``width`` columns per token tile."""
+
+    def __init__(self, intermediate_tiles, da, act):
+        self.first = intermediate_tiles[0][0]
+        self.cols = intermediate_tiles[-1][0] + intermediate_tiles[-1][1] - self.first
+        self.tiles, self.da, self.act = intermediate_tiles, da, act
+
+
 class _RowStream(nl.NKIObject):
     """A block's expert weight row tiles in use order, as read (no transpose): (weight, r0, rows, c0,
     cols) for weight[expert, r0 : r0 + rows, c0 : c0 + cols], each read ``ahead`` tiles before its use
@@ -631,9 +643,9 @@ class _Grads(nl.NKIObject):
 
     Token-major buffers put token tile j's slots on partitions and its columns at j * (row width):
     ``x_rows``/``dy_rows`` [tile, block tiles * H] (dy_e = w * dy), ``dx_sums`` (fp32), ``weight`` and
-    ``d_weight`` (one fp32 column per tile), ``da`` and ``act`` (the part's, ``width`` per tile),
-    ``gate_up`` and ``d_gate_up`` (an intermediate tile's g, u and dg, du: 2 * 128 per tile).
-    Feature-major: ``x_t``/``dy_t`` [128, H tiles, block tiles * tile]."""
+    ``d_weight`` (one fp32 column per tile); per part (:class:`_Part`) da and a, ``width`` per tile; per
+    intermediate tile g, u and dg, du, 2 * 128 per tile (fresh buffers: the next tile's need not wait
+    for this one's last reads). Feature-major: ``x_t``/``dy_t`` [128, H tiles, block tiles * tile]."""
 
     def __init__(self, dy, x, w_gate_up, w_down, tables, outputs, plan, activation):
         self.dy, self.x, self.w_gate_up, self.w_down = dy, x, w_gate_up, w_down
@@ -654,10 +666,6 @@ class _Grads(nl.NKIObject):
         self.dx_sums = nl.ndarray((tile, bt * hidden), nl.float32, buffer=nl.sbuf)
         self.weight = nl.ndarray((tile, bt), nl.float32, buffer=nl.sbuf)
         self.d_weight = nl.ndarray((tile, bt), nl.float32, buffer=nl.sbuf)
-        self.da = nl.ndarray((tile, bt * self.width), nl.float32, buffer=nl.sbuf)
-        self.act = nl.ndarray((tile, bt * self.width), dtype, buffer=nl.sbuf)
-        self.gate_up = nl.ndarray((tile, bt * 2 * P), dtype, buffer=nl.sbuf)
-        self.d_gate_up = nl.ndarray((tile, bt * 2 * P), dtype, buffer=nl.sbuf)
         self.ones = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)  # ScalarE bias constant (tanh-GELU)
         nisa.memset(dst=self.ones, value=1.0)
 
@@ -708,25 +716,30 @@ class _Grads(nl.NKIObject):
                 dst=self.dy_rows[:, nl.ds(j * hidden, hidden)], data=dy_rows, op0=nl.multiply, operand0=weight
             )
 
-    def down_input_grad(self, blk, part, stream):
-        """Step 1: da = dy Wd[:, part] (unscaled) for every token tile, into ``da`` (fp32)."""
-        tile, width = self.tile, self.width
-        p0 = part[0][0]
-        p_cols = part[-1][0] + part[-1][1] - p0
-        sums = nl.ndarray((tile, self.block_tiles * width), nl.float32, buffer=nl.psum)
+    def down_input_grad(self, blk, intermediate_tiles, stream):
+        """Step 1: the part's buffers (:class:`_Part`), and in them da = dy Wd[:, part] (unscaled, fp32)
+        for every token tile."""
+        tile, width, bt = self.tile, self.width, self.block_tiles
+        part = _Part(
+            intermediate_tiles,
+            nl.ndarray((tile, bt * width), nl.float32, buffer=nl.sbuf),
+            nl.ndarray((tile, bt * width), self.dtype, buffer=nl.sbuf),
+        )
+        sums = nl.ndarray((tile, bt * width), nl.float32, buffer=nl.psum)
         for k, (_, hsz) in enumerate(tiles(self.hidden, P)):
             segment = stream.take()
             for j in nl.dynamic_range(blk.used_tiles):
-                for c0, csz in tiles(p_cols, MOVING_COLUMNS):
+                for c0, csz in tiles(part.cols, MOVING_COLUMNS):
                     nisa.nc_matmul(
                         dst=sums[:, nl.ds(j * width + c0, csz)],
                         stationary=self.dy_t[:hsz, k, nl.ds(j * tile, tile)],
                         moving=segment[:hsz, c0 : c0 + csz],
                     )
         for j in nl.dynamic_range(blk.used_tiles):
-            self.evictions.evict(self.da[:, nl.ds(j * width, p_cols)], sums[:, nl.ds(j * width, p_cols)])
+            self.evictions.evict(part.da[:, nl.ds(j * width, part.cols)], sums[:, nl.ds(j * width, part.cols)])
+        return part
 
-    def _project(self, blk, rows, isz, kind):
+    def _project(self, blk, rows, isz, gate_up, kind):
         """g (kind 0) or u (kind 1) of one intermediate tile for every token tile, from its weight rows."""
         tile = self.tile
         rows_t = nl.ndarray((P, ceil_div(self.hidden, P), isz), self.dtype, buffer=nl.sbuf)
@@ -737,33 +750,41 @@ class _Grads(nl.NKIObject):
                 nisa.nc_matmul(
                     dst=acc, stationary=self.x_t[:hsz, k, nl.ds(j * tile, tile)], moving=rows_t[:hsz, k, :isz]
                 )
-            self.evictions.evict(self.gate_up[:, nl.ds(j * 2 * P + kind * P, isz)], acc)
+            self.evictions.evict(gate_up[:, nl.ds(j * 2 * P + kind * P, isz)], acc)
 
-    def intermediate_tile(self, blk, i0, isz, column, stream, first):
-        """Step 2 for one intermediate tile (``column``: its offset in the part; ``first``: the first
-        tile of the intermediate, whose dx products start dx's sums)."""
+    def intermediate_tile(self, blk, part, i0, isz, stream):
+        """Step 2 for one intermediate tile of ``part``; the first of the intermediate starts dx's sums."""
         tile, hidden, dtype, width = self.tile, self.hidden, self.dtype, self.width
+        column = i0 - part.first
         w_gate, w_up = stream.take(), stream.take()
-        self._project(blk, w_gate, isz, 0)
-        self._project(blk, w_up, isz, 1)
+        regions = [
+            (kind * self.inter + i0, isz, c0, cols)
+            for kind in range(2)
+            for c0, cols in tiles(hidden, _grad_row_columns(hidden, dtype))
+        ]
+        earlier = [self._read_earlier(blk, self.dw_gate_up, region) for region in regions]  # read while computing
+        gate_up = nl.ndarray((tile, self.block_tiles * 2 * P), dtype, buffer=nl.sbuf)
+        grads = nl.ndarray((tile, self.block_tiles * 2 * P), dtype, buffer=nl.sbuf)  # dg, du
+        self._project(blk, w_gate, isz, gate_up, 0)
+        self._project(blk, w_up, isz, gate_up, 1)
         for j in nl.dynamic_range(blk.used_tiles):
             pair = j * 2 * P
-            da = self.da[:, nl.ds(j * width + column, isz)]
+            da = part.da[:, nl.ds(j * width + column, isz)]
             d_act = nl.ndarray((tile, isz), nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=d_act, data=da, op0=nl.multiply, operand0=self.weight[:, nl.ds(j, 1)])
             a = _elementwise_grads(
                 d_act,
-                self.gate_up[:, nl.ds(pair, isz)],
-                self.gate_up[:, nl.ds(pair + P, isz)],
-                self.d_gate_up[:, nl.ds(pair, isz)],
-                self.d_gate_up[:, nl.ds(pair + P, isz)],
+                gate_up[:, nl.ds(pair, isz)],
+                gate_up[:, nl.ds(pair + P, isz)],
+                grads[:, nl.ds(pair, isz)],
+                grads[:, nl.ds(pair + P, isz)],
                 tile,
                 isz,
                 self.activation,
                 dtype,
                 self.ones,
             )
-            nisa.tensor_copy(dst=self.act[:, nl.ds(j * width + column, isz)], src=a, engine=nisa.engine.gpsimd)
+            nisa.tensor_copy(dst=part.act[:, nl.ds(j * width + column, isz)], src=a, engine=nisa.engine.gpsimd)
             # the routing weight's gradient: a . da, over the intermediate
             product = nl.ndarray((tile, isz), nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=product, data1=a, data2=da, op=nl.multiply, engine=nisa.engine.gpsimd)
@@ -774,59 +795,61 @@ class _Grads(nl.NKIObject):
             # dx's sums += dg Wg + du Wu, contracting over the tile's intermediate rows
             grads_t = nl.ndarray((P, 2, tile), dtype, buffer=nl.sbuf)
             for kind in range(2):
-                _transpose_rows_into(
-                    grads_t[:, kind : kind + 1, :],
-                    self.d_gate_up[:, nl.ds(pair + kind * P, isz)],
-                    tile,
-                    isz,
-                    dtype,
-                    self.evictions,
-                )
+                src = grads[:, nl.ds(pair + kind * P, isz)]
+                _transpose_rows_into(grads_t[:, kind : kind + 1, :], src, tile, isz, dtype, self.evictions)
             for c0, csz in tiles(hidden, MOVING_COLUMNS):
                 acc = nl.ndarray((tile, csz), nl.float32, buffer=nl.psum)
                 for kind, rows in enumerate((w_gate, w_up)):
                     nisa.nc_matmul(dst=acc, stationary=grads_t[:isz, kind, :], moving=rows[:isz, c0 : c0 + csz])
                 sums = self.dx_sums[:, nl.ds(j * hidden + c0, csz)]
-                if first:
+                if i0 == 0:
                     self.evictions.evict(sums, acc)
                 else:
                     nisa.tensor_tensor(dst=sums, data1=acc, data2=sums, op=nl.add)
-        for kind in range(2):
+        for region, before in zip(regions, earlier):
+            kind, c0 = region[0] // self.inter, region[2]
 
             def grad_rows(j, kind=kind):
-                return self.d_gate_up[:, nl.ds(j * 2 * P + kind * P, isz)]
+                return grads[:, nl.ds(j * 2 * P + kind * P, isz)]
 
-            for c0, cols in tiles(hidden, _grad_row_columns(hidden, dtype)):
+            def x_rows(j, s0, ssz, c0=c0):
+                return self.x_rows[:, nl.ds(j * hidden + c0 + s0, ssz)]
 
-                def x_rows(j, s0, ssz, c0=c0):
-                    return self.x_rows[:, nl.ds(j * hidden + c0 + s0, ssz)]
-
-                self._weight_grad(blk, self.dw_gate_up, (kind * self.inter + i0, isz, c0, cols), grad_rows, x_rows)
+            self._weight_grad(blk, self.dw_gate_up, region, before, grad_rows, x_rows)
 
     def down_weight_grad(self, blk, part):
-        """Step 3: dWd[:, part] = dy_e^T a, per hidden tile."""
-        p0 = part[0][0]
-        p_cols = part[-1][0] + part[-1][1] - p0
+        """Step 3: dWd[:, part] = dy_e^T a, per hidden tile (the next tile's earlier sums read meanwhile)."""
         hidden, width = self.hidden, self.width
-        for h0, hsz in tiles(hidden, P):
+        regions = [(h0, hsz, part.first, part.cols) for h0, hsz in tiles(hidden, P)]
+        upcoming = self._read_earlier(blk, self.dw_down, regions[0])
+
+        def act(j, s0, ssz):
+            return part.act[:, nl.ds(j * width + s0, ssz)]
+
+        for h, (h0, hsz, _, _) in enumerate(regions):
+            before = upcoming
+            if h + 1 < len(regions):
+                upcoming = self._read_earlier(blk, self.dw_down, regions[h + 1])
 
             def dy_rows(j, h0=h0, hsz=hsz):
                 return self.dy_rows[:, nl.ds(j * hidden + h0, hsz)]
 
-            def act(j, s0, ssz):
-                return self.act[:, nl.ds(j * width + s0, ssz)]
+            self._weight_grad(blk, self.dw_down, regions[h], before, dy_rows, act)
 
-            self._weight_grad(blk, self.dw_down, (h0, hsz, p0, p_cols), dy_rows, act)
-
-    def _weight_grad(self, blk, grad, region, stationary, moving):
-        """grad[expert, r0 : r0 + rows, c0 : c0 + cols] (``region``) = the sum over the block's token
-        tiles j of stationary(j)^T moving(j, s0, size), contracting over the tile's slots; a block that
-        continues its expert's gradients adds the earlier blocks' sums (read back, added in fp32)."""
+    def _read_earlier(self, blk, grad, region):
+        """grad[expert, region] as the expert's earlier blocks left it, when this block continues them
+        (``region``: r0, rows, c0, cols); nothing is read otherwise."""
         r0, rows, c0, cols = region
-        view = expert_rows(grad, blk.expert, r0, rows, c0, cols)
         earlier = nl.ndarray((rows, cols), self.dtype, buffer=nl.sbuf)
         for _ in nl.dynamic_range(blk.continues):
-            nisa.dma_copy(dst=earlier, src=view)
+            nisa.dma_copy(dst=earlier, src=expert_rows(grad, blk.expert, r0, rows, c0, cols))
+        return earlier
+
+    def _weight_grad(self, blk, grad, region, earlier, stationary, moving):
+        """grad[expert, r0 : r0 + rows, c0 : c0 + cols] (``region``) = the sum over the block's token
+        tiles j of stationary(j)^T moving(j, s0, size), contracting over the tile's slots, plus the
+        ``earlier`` blocks' sums (:meth:`_read_earlier`, added in fp32) when the block continues them."""
+        r0, rows, c0, cols = region
         out = nl.ndarray((rows, cols), self.dtype, buffer=nl.sbuf)
         for s0, ssz in tiles(cols, MOVING_COLUMNS):
             acc = nl.ndarray((rows, ssz), nl.float32, buffer=nl.psum)
@@ -836,7 +859,7 @@ class _Grads(nl.NKIObject):
                 self.evictions.evict(out[:, s0 : s0 + ssz], acc)
             for _ in nl.dynamic_range(blk.continues):
                 nisa.tensor_tensor(dst=out[:, s0 : s0 + ssz], data1=acc, data2=earlier[:, s0 : s0 + ssz], op=nl.add)
-        nisa.dma_copy(dst=view, src=out)
+        nisa.dma_copy(dst=expert_rows(grad, blk.expert, r0, rows, c0, cols), src=out)
 
     def scatter(self, blk):
         """Each used token tile's dx rows (rounded once) to its choices' rows, and its routing weights'
@@ -947,11 +970,10 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
             blk = _BackwardBlock(expert, used_tiles, starts, continues, b * block)
             stream = grads.weight_stream(blk, parts)
             grads.gather(blk)
-            for part in parts:
-                grads.down_input_grad(blk, part, stream)
-                p0 = part[0][0]
-                for i0, isz in part:
-                    grads.intermediate_tile(blk, i0, isz, i0 - p0, stream, first=i0 == 0)
+            for intermediate_tiles in parts:
+                part = grads.down_input_grad(blk, intermediate_tiles, stream)
+                for i0, isz in intermediate_tiles:
+                    grads.intermediate_tile(blk, part, i0, isz, stream)
                 grads.down_weight_grad(blk, part)
             grads.scatter(blk)
     _combine(rows_out, dx, top_k, dtype)
