@@ -80,17 +80,20 @@ Backward block layout
 Backward tiling plan (per used block, token-major: a token tile's slots on partitions)
     The block stays on chip: x's and dy_e's gathered rows (the weight gradients contract over tokens),
     x^T and dy^T (transposed on TensorE once; g, u and da contract over H) and dx's fp32 sums. The
-    intermediate goes in parts (:func:`backward_part_plan`: up to DA_PSUM_COLUMNS / block tiles columns, as many
-    as SBUF holds), as the forward's:
-      1. da for the part, per hidden tile: the down weight's row segment for the part is read in its own
-         layout (the moving operand; nothing transposed) and each token tile's da accumulates over the
-         hidden tiles in PSUM (DA_PSUM_COLUMNS per partition for the block), then goes to SBUF (fp32).
+    intermediate goes in parts (:func:`backward_part_plan`: up to 4 KiB of a down-weight row, as SBUF
+    allows), as the forward's:
+      1. da for the part: the down weight's row segment of each hidden tile is read in its own layout
+         (the moving operand; nothing transposed), DOWN_GROUP of them summed in PSUM per token tile and
+         added into the part's da in SBUF (fp32). The next part's step 1 runs beside this part's step
+         2, a slice of hidden tiles after each intermediate tile, so the down weight's reads spread
+         over the part instead of stalling TensorE at its start.
       2. per intermediate tile: its gate and up rows are read in 8 KiB rows and transposed on TensorE
          (each in turn, for g and u per token tile, x^T stationary); a, dg, du come from da times the
          routing weight (``mlp._elementwise_grads``: ScalarE, VectorE, GpSimd) and the routing weight's
          gradient adds a . da; dg and du are transposed and dx's sums add dg Wg + du Wu (the rows as
          read are the moving operand); dWg's and dWu's rows sum over the token tiles in PSUM (dg, du
-         stationary, x's rows moving) and are written in 4 KiB row segments.
+         stationary, x's rows moving) and are written in 4 KiB row segments, the earlier blocks' sums
+         (a continuing block) read while the tile computes.
       3. dWd for the part, per hidden tile: dy_e's rows stationary, a moving, summed over the token
          tiles in PSUM, written as [hidden tile, part] segments.
     Every used block reads its expert's weights once, gate/up rows two tiles ahead when SBUF allows.
@@ -507,18 +510,16 @@ def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight,
 # ---------------------------------------------------------------------------------------------
 # backward
 # ---------------------------------------------------------------------------------------------
-DA_PSUM_COLUMNS = 2048  # fp32 columns per partition (4 of PSUM's 8 banks) that hold a part's da for the block
+# Down-weight row segments whose da products sum in PSUM before one fp32 add into the part's da in SBUF
+DOWN_GROUP = 4
 MOVING_COLUMNS = PSUM_BANK_BYTES // 4  # moving free size of one matmul: a PSUM bank of fp32
 DOWN_PREFETCH = 2  # down-weight row segments read ahead of the one in use
 
 
-def backward_part_width(block_tiles):
-    """fp32 columns of one token tile's da in PSUM: the largest power of two that, for every token
-    tile of the block, fits DA_PSUM_COLUMNS (a power of two, so no 512-column result crosses a bank)."""
-    width = DA_PSUM_COLUMNS
-    while width * block_tiles > DA_PSUM_COLUMNS:
-        width //= 2
-    return width
+def backward_part_width(dtype):
+    """The widest part, in intermediate columns: down-weight and dWd row segments of
+    SATURATING_ROW_BYTES (the DMA's full rate)."""
+    return SATURATING_ROW_BYTES // itemsize(dtype)
 
 
 def _grad_row_columns(hidden, dtype):
@@ -545,7 +546,7 @@ def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
         SBUF_RESERVE
         + (2 + 2 * ahead) * hidden * size  # gate and up rows in use (and the next tile's)
         + h_cols * size  # one of them transposed
-        + (1 + DOWN_PREFETCH) * part * size  # down-weight row segments in flight
+        + (DOWN_GROUP + DOWN_PREFETCH) * part * size  # down-weight row segments in use and in flight
         # weight-gradient rows: gate/up's of an intermediate tile as the earlier blocks left them (read while
         # the tile computes), a segment being written, dWd's segment and two hidden tiles' earlier sums
         + (2 * hidden + _grad_row_columns(hidden, dtype) + 3 * part) * size
@@ -555,9 +556,9 @@ def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
 
 
 def backward_part_plan(tile, block_tiles, hidden, inter, dtype, sbuf_bytes):
-    """(width, ahead): the widest part (a power of two of columns, at most :func:`backward_part_width`) that fits
-    ``sbuf_bytes``, and 1 when reading gate/up rows ahead fits beside it too; None if no part fits."""
-    width = backward_part_width(block_tiles)
+    """(width, ahead): the widest part (a power of two of columns, at most :func:`backward_part_width`)
+    that fits ``sbuf_bytes``, and 1 when reading gate/up rows ahead fits beside it too; None if none fits."""
+    width = backward_part_width(dtype)
     while width >= P:
         if _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, 0) <= sbuf_bytes:
             return width, int(_backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, 1) <= sbuf_bytes)
@@ -603,13 +604,15 @@ class _BackwardBlock(nl.NKIObject):
 
 
 class _Part(nl.NKIObject):
-    """A run of intermediate tiles ((start, size) each): its first column and width, and its da (fp32)
-    and a, token-major, ``width`` columns per token tile."""
+    """A run of intermediate tiles ((start, size) each): its first column and width, its da (fp32, summed
+    over the hidden tiles) and a, token-major, ``width`` columns per token tile; ``started`` once a
+    group of hidden tiles has written da (later groups add to it)."""
 
     def __init__(self, intermediate_tiles, da, act):
         self.first = intermediate_tiles[0][0]
         self.cols = intermediate_tiles[-1][0] + intermediate_tiles[-1][1] - self.first
         self.tiles, self.da, self.act = intermediate_tiles, da, act
+        self.started = False
 
 
 class _RowStream(nl.NKIObject):
@@ -669,18 +672,31 @@ class _Grads(nl.NKIObject):
         self.ones = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf)  # ScalarE bias constant (tanh-GELU)
         nisa.memset(dst=self.ones, value=1.0)
 
+    def da_slices(self, part_tiles):
+        """The hidden tiles (index, start, size) of the next part's da that each intermediate tile of a
+        part with ``part_tiles`` tiles accumulates after its own work, evenly."""
+        h_tiles = [(k, h0, hsz) for k, (h0, hsz) in enumerate(tiles(self.hidden, P))]
+        per = ceil_div(ceil_div(len(h_tiles), part_tiles), DOWN_GROUP) * DOWN_GROUP  # whole PSUM groups
+        return [h_tiles[t * per : (t + 1) * per] for t in range(part_tiles)]
+
     def weight_stream(self, blk, parts):
-        """The block's weight row tiles in use order: per part, the down weight's row segment of each
-        hidden tile, then each intermediate tile's gate and up rows."""
-        specs = []
-        for part in parts:
+        """The block's weight row tiles in use order: the first part's down-weight row segments (one per
+        hidden tile), then per part each intermediate tile's gate and up rows followed by its slice of
+        the next part's down-weight segments (:meth:`da_slices`)."""
+
+        def segments(part, h_slice):
             p0 = part[0][0]
             p_cols = part[-1][0] + part[-1][1] - p0
-            for h0, hsz in tiles(self.hidden, P):
-                specs.append((self.w_down, h0, hsz, p0, p_cols))
-            for i0, isz in part:
+            return [(self.w_down, h0, hsz, p0, p_cols) for _, h0, hsz in h_slice]
+
+        specs = segments(parts[0], [h for hs in self.da_slices(1) for h in hs])
+        for n, part in enumerate(parts):
+            slices = self.da_slices(len(part))
+            for t, (i0, isz) in enumerate(part):
                 specs.append((self.w_gate_up, i0, isz, 0, self.hidden))
                 specs.append((self.w_gate_up, self.inter + i0, isz, 0, self.hidden))
+                if n + 1 < len(parts):
+                    specs += segments(parts[n + 1], slices[t])
         return _RowStream(self.dtype, blk.expert, specs, 2 * self.ahead if self.ahead else 0)
 
     def _slot_column(self, table, start, dtype):
@@ -716,28 +732,36 @@ class _Grads(nl.NKIObject):
                 dst=self.dy_rows[:, nl.ds(j * hidden, hidden)], data=dy_rows, op0=nl.multiply, operand0=weight
             )
 
-    def down_input_grad(self, blk, intermediate_tiles, stream):
-        """Step 1: the part's buffers (:class:`_Part`), and in them da = dy Wd[:, part] (unscaled, fp32)
-        for every token tile."""
+    def new_part(self, intermediate_tiles):
+        """A part's buffers (:class:`_Part`)."""
         tile, width, bt = self.tile, self.width, self.block_tiles
-        part = _Part(
+        return _Part(
             intermediate_tiles,
             nl.ndarray((tile, bt * width), nl.float32, buffer=nl.sbuf),
             nl.ndarray((tile, bt * width), self.dtype, buffer=nl.sbuf),
         )
-        sums = nl.ndarray((tile, bt * width), nl.float32, buffer=nl.psum)
-        for k, (_, hsz) in enumerate(tiles(self.hidden, P)):
-            segment = stream.take()
+
+    def accumulate_da(self, blk, part, h_slice, stream):
+        """Step 1 over some hidden tiles (``h_slice``: index, start, size): da += dy[:, h] Wd[h, part]
+        (unscaled) for every token tile, DOWN_GROUP hidden tiles summed in PSUM per add into da."""
+        tile, width = self.tile, self.width
+        for g0 in range(0, len(h_slice), DOWN_GROUP):
+            group = [(k, hsz, stream.take()) for k, _, hsz in h_slice[g0 : g0 + DOWN_GROUP]]
             for j in nl.dynamic_range(blk.used_tiles):
                 for c0, csz in tiles(part.cols, MOVING_COLUMNS):
-                    nisa.nc_matmul(
-                        dst=sums[:, nl.ds(j * width + c0, csz)],
-                        stationary=self.dy_t[:hsz, k, nl.ds(j * tile, tile)],
-                        moving=segment[:hsz, c0 : c0 + csz],
-                    )
-        for j in nl.dynamic_range(blk.used_tiles):
-            self.evictions.evict(part.da[:, nl.ds(j * width, part.cols)], sums[:, nl.ds(j * width, part.cols)])
-        return part
+                    acc = nl.ndarray((tile, csz), nl.float32, buffer=nl.psum)
+                    for k, hsz, segment in group:
+                        nisa.nc_matmul(
+                            dst=acc,
+                            stationary=self.dy_t[:hsz, k, nl.ds(j * tile, tile)],
+                            moving=segment[:hsz, c0 : c0 + csz],
+                        )
+                    da = part.da[:, nl.ds(j * width + c0, csz)]
+                    if part.started:
+                        nisa.tensor_tensor(dst=da, data1=acc, data2=da, op=nl.add)
+                    else:
+                        self.evictions.evict(da, acc)
+            part.started = True
 
     def _project(self, blk, rows, isz, gate_up, kind):
         """g (kind 0) or u (kind 1) of one intermediate tile for every token tile, from its weight rows."""
@@ -970,11 +994,19 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
             blk = _BackwardBlock(expert, used_tiles, starts, continues, b * block)
             stream = grads.weight_stream(blk, parts)
             grads.gather(blk)
-            for intermediate_tiles in parts:
-                part = grads.down_input_grad(blk, intermediate_tiles, stream)
-                for i0, isz in intermediate_tiles:
+            # Step 1 of the next part runs beside step 2 of this one, a slice of hidden tiles after each
+            # intermediate tile, so the down weight's reads spread over the part instead of stalling at its start.
+            part = grads.new_part(parts[0])
+            grads.accumulate_da(blk, part, grads.da_slices(1)[0], stream)
+            for n in range(len(parts)):
+                upcoming = grads.new_part(parts[n + 1]) if n + 1 < len(parts) else None
+                slices = grads.da_slices(len(part.tiles))
+                for t, (i0, isz) in enumerate(part.tiles):
                     grads.intermediate_tile(blk, part, i0, isz, stream)
+                    if upcoming is not None:
+                        grads.accumulate_da(blk, upcoming, slices[t], stream)
                 grads.down_weight_grad(blk, part)
+                part = upcoming
             grads.scatter(blk)
     _combine(rows_out, dx, top_k, dtype)
     return dx, d_weight, dw_gate_up, dw_down
