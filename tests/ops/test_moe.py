@@ -202,6 +202,22 @@ def test_unused_experts_read_none_of_their_weights():
     assert (out.float() - exact).abs().max() <= 2 * torch_error
 
 
+def test_the_backward_reads_only_the_routed_experts_weights():
+    """Decode-like routing: the backward reads the two routed experts' weights and writes their gradients;
+    the six idle experts cost only their gradients' zeros."""
+    tokens, hidden, inter, experts = 3, 128, 256, 8
+    x, _, _, w_gate_up, w_down = _inputs((tokens, hidden, inter, experts, 1), torch.bfloat16)
+    index, weights = torch.tensor([[2], [2], [5]]), torch.ones(tokens, 1)
+    grad_out = torch.randn(tokens, hidden).bfloat16()
+    with sim.capture() as traces:
+        moe_bwd(grad_out, x, index, weights, w_gate_up, w_down, "silu")
+    (trace,) = traces
+    weight_bytes = 2 * 3 * hidden * inter  # one expert's three projections, bf16
+    routed, idle = 2, experts - 2
+    expected = 2 * routed * weight_bytes + idle * weight_bytes  # read and written once; zeros
+    assert expected <= trace.hbm_bytes < expected + 64 * 1024
+
+
 def test_multi_part_forward(monkeypatch):
     """Parts of the intermediate with fp32 partial sums in HBM (one part per intermediate tile)."""
     monkeypatch.setattr(moe_kernels, "part_tiles", lambda *args: 1)
