@@ -93,7 +93,7 @@ Backward tiling plan (per used block, token-major: a token tile's slots on parti
          gradient adds a . da; dg and du are transposed and dx's sums add dg Wg + du Wu (the rows as
          read are the moving operand); dWg's and dWu's rows sum over the token tiles in PSUM (dg, du
          stationary, x's rows moving) and are written in 4 KiB row segments, the earlier blocks' sums
-         (a continuing block) read while the tile computes.
+         (a continuing block) read a segment ahead, the first while the tile computes.
       3. dWd for the part, per hidden tile: dy_e's rows stationary, a moving, summed over the token
          tiles in PSUM, written as [hidden tile, part] segments.
     Every used block reads its expert's weights once, gate/up rows two tiles ahead when SBUF allows.
@@ -547,9 +547,9 @@ def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
         + (2 + 2 * ahead) * hidden * size  # gate and up rows in use (and the next tile's)
         + h_cols * size  # one of them transposed
         + (DOWN_GROUP + DOWN_PREFETCH) * part * size  # down-weight row segments in use and in flight
-        # weight-gradient rows: gate/up's of an intermediate tile as the earlier blocks left them (read while
-        # the tile computes), a segment being written, dWd's segment and two hidden tiles' earlier sums
-        + (2 * hidden + _grad_row_columns(hidden, dtype) + 3 * part) * size
+        # weight-gradient row segments: the one being written and the earlier blocks' sums of it and of the
+        # next (read a segment ahead), for gate/up's rows and for dWd's
+        + 3 * (_grad_row_columns(hidden, dtype) + part) * size
         + 2 * tile * size  # dg^T, du^T of a token tile
     )
     return fixed + block_tiles * per_tile
@@ -786,7 +786,7 @@ class _Grads(nl.NKIObject):
             for kind in range(2)
             for c0, cols in tiles(hidden, _grad_row_columns(hidden, dtype))
         ]
-        earlier = [self._read_earlier(blk, self.dw_gate_up, region) for region in regions]  # read while computing
+        upcoming = self._read_earlier(blk, self.dw_gate_up, regions[0])  # read while the tile computes
         gate_up = nl.ndarray((tile, self.block_tiles * 2 * P), dtype, buffer=nl.sbuf)
         grads = nl.ndarray((tile, self.block_tiles * 2 * P), dtype, buffer=nl.sbuf)  # dg, du
         self._project(blk, w_gate, isz, gate_up, 0)
@@ -830,8 +830,11 @@ class _Grads(nl.NKIObject):
                     self.evictions.evict(sums, acc)
                 else:
                     nisa.tensor_tensor(dst=sums, data1=acc, data2=sums, op=nl.add)
-        for region, before in zip(regions, earlier):
+        for r, region in enumerate(regions):
             kind, c0 = region[0] // self.inter, region[2]
+            before = upcoming
+            if r + 1 < len(regions):
+                upcoming = self._read_earlier(blk, self.dw_gate_up, regions[r + 1])
 
             def grad_rows(j, kind=kind):
                 return grads[:, nl.ds(j * 2 * P + kind * P, isz)]
