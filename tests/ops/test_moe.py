@@ -314,3 +314,15 @@ def test_sizes_past_the_limits_get_a_clear_error():
         )
     with pytest.raises(ValueError, match="intermediate size 65537 is outside the supported range 1..65536"):
         moe_kernels.check_shapes((2, 8), (1, 2 * 65537, 8), (1, 8, 65537), "silu")
+
+
+def test_the_backward_plan_takes_the_forwards_limits():
+    """The backward's SBUF plan (Trn1's 192 KiB) holds the largest hidden sizes the forward takes."""
+    for dtype, hidden in (("bfloat16", moe_kernels.MAX_HIDDEN), ("float32", moe_kernels.MAX_HIDDEN_FP32)):
+        tile, block_tiles = moe_kernels.backward_block_plan(4096, hidden, moe_kernels.MAX_INTERMEDIATE, dtype)
+        plan = moe_kernels.backward_part_plan(
+            tile, block_tiles, hidden, moe_kernels.MAX_INTERMEDIATE, dtype, moe_kernels.PLAN_SBUF_BYTES
+        )
+        assert block_tiles >= 1 and plan is not None, dtype
+    with pytest.raises(ValueError, match="moe_experts backward: hidden size 16384 .bfloat16. does not fit the 192 KiB"):
+        moe_kernels.backward_block_plan(4096, 16384, 1024, "bfloat16")
