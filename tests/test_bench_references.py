@@ -58,6 +58,7 @@ SMALL = [
     ),
     suite.plain_mlp_case("plain-mlp-fwd/gelu", "Pythia-6.9B", "GPTNeoXMLP", 100, 192, 320, "gelu"),
     suite.moe_case("moe-fwd/top2", "Mixtral-8x7B", 100, 192, 320, 4, 2),
+    suite.moe_case("moe-bwd/top2", "Mixtral-8x7B", 100, 192, 320, 4, 2, backward=True),
 ]
 
 

@@ -41,8 +41,8 @@ def _jit_kernels(module) -> list:
 
 def families(repo: Repo) -> list[str]:
     """The kernel families ``repo`` owns: the NKI module its layers module is named after. Any other NKI
-    module it ships is another family's kernels that its ops call (neuron-moe's backward runs the gated
-    MLP's), checked under that family's own repo."""
+    module it ships is another family's kernels that its own import (neuron-moe's kernels share the gated
+    MLP's tiling helpers), checked under that family's own repo."""
     return [family for family in repo.nki if repo.layers == f"{family}_layers"] or list(repo.nki)
 
 

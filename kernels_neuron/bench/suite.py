@@ -28,7 +28,7 @@ from nki_src.attention import flash_attn_bwd, flash_attn_fwd  # noqa: E402
 from nki_src.attention_decode import flash_decode_fwd, flash_decode_paged_fwd  # noqa: E402
 from nki_src.layernorm import layernorm_bwd, layernorm_fwd  # noqa: E402
 from nki_src.mlp import mlp_bwd, mlp_fwd, plain_mlp_bwd, plain_mlp_fwd, saved_shape  # noqa: E402
-from nki_src.moe import moe_fwd  # noqa: E402
+from nki_src.moe import moe_bwd, moe_fwd  # noqa: E402
 from nki_src.rmsnorm import rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
 
 from ..ops.attention import attention_reference  # noqa: E402
@@ -465,9 +465,10 @@ def plain_mlp_case(
     )
 
 
-def _moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed: int) -> tuple:
+def _moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, backward: bool, seed: int) -> tuple:
     """bf16 tokens and expert weights, routed by a random softmax router (top-k, renormalised as
-    Mixtral's router does), laid out for the kernel (``routing_layout``)."""
+    Mixtral's router does), laid out for the kernel (``routing_layout``, the backward's block size for
+    the backward, which also takes dy first and the idle experts' flags last)."""
     rng = np.random.default_rng(seed)
 
     x = _draw(rng, tokens, hidden)
@@ -475,49 +476,73 @@ def _moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, 
     w_down = _draw(rng, experts, hidden, inter, scale=inter**-0.5)
     probs = torch.from_numpy(rng.standard_normal((tokens, experts), dtype=np.float32)).softmax(-1)
     weights, index = torch.topk(probs, top_k, dim=-1)
-    layout = routing_layout(index, weights / weights.sum(-1, keepdim=True), experts, hidden, inter, torch.bfloat16)
+    weights = weights / weights.sum(-1, keepdim=True)
+    layout = routing_layout(index, weights, experts, hidden, inter, torch.bfloat16, backward=backward)
     tables = (layout.block_info, layout.slot_token, layout.slot_row, layout.slot_weight)
-    return (x, w_gate_up, w_down) + tuple(t.numpy() for t in tables)
+    if not backward:
+        return (x, w_gate_up, w_down) + tuple(t.numpy() for t in tables)
+    idle = (layout.counts == 0).to(torch.int32)[:, None]
+    return (_draw(rng, tokens, hidden), x, w_gate_up, w_down) + tuple(t.numpy() for t in tables + (idle,))
+
+
+def _moe_routing(tokens, top_k, block_info, slot_row, slot_weight):
+    """(top_k_index, top_k_weights) [T, k] of the routing a block layout encodes: each used slot's
+    choice t*k + j gets its block's expert and its weight."""
+    block = slot_row.shape[0] // block_info.shape[0]
+    slot_expert = torch.as_tensor(block_info)[:, 0].long().repeat_interleave(block)
+    row = torch.as_tensor(slot_row)[:, 0].long()
+    used = row < tokens * top_k
+    index = torch.zeros(tokens * top_k, dtype=torch.long, device=row.device)
+    weights = torch.zeros(tokens * top_k, dtype=torch.float32, device=row.device)
+    index[row[used]] = slot_expert[used].to(row.device)
+    weights[row[used]] = torch.as_tensor(slot_weight)[:, 0].float()[used]
+    return index.reshape(tokens, top_k), weights.reshape(tokens, top_k)
 
 
 def _moe_forward(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight, top_k, activation):
     """The transformers module's forward (``moe_experts_reference``: MixtralExperts) on the routing the
-    block layout encodes: each used slot's choice t*k + j gets its block's expert and its weight."""
-    tokens = x.shape[0]
-    block = slot_token.shape[0] // block_info.shape[0]
-    slot_expert = torch.as_tensor(block_info)[:, 0].long().repeat_interleave(block)
-    row = torch.as_tensor(slot_row)[:, 0].long()
-    used = row < tokens * top_k
-    index = torch.zeros(tokens * top_k, dtype=torch.long)
-    weights = torch.zeros(tokens * top_k, dtype=torch.float32)
-    index[row[used]] = slot_expert[used]
-    weights[row[used]] = torch.as_tensor(slot_weight)[:, 0].float()[used]
-    return partial(
-        moe_experts_reference,
-        x,
-        index.reshape(tokens, top_k),
-        weights.reshape(tokens, top_k),
-        w_gate_up,
-        w_down,
-        activation,
-    )
+    block layout encodes."""
+    index, weights = _moe_routing(x.shape[0], top_k, block_info, slot_row, slot_weight)
+    return partial(moe_experts_reference, x, index, weights, w_gate_up, w_down, activation)
 
 
-def moe_case(name: str, model: str, tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> Case:
-    """The grouped MoE experts forward, simulated at the full shape. FLOPs the standard way: each of the
-    T*k routed choices through its expert's three projections (6*T*k*H*I); the padding of the ragged
-    groups and the TensorE transposes the kernel needs are not counted."""
+def _moe_backward(
+    dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight, expert_idle, top_k, activation
+):
+    """Autograd through the module's forward on the routing the block layout encodes, against ``dy``:
+    (dx, d top_k_weights as the kernel's [T*k, 1], d w_gate_up, d w_down), the kernel's order."""
+    index, weights = _moe_routing(x.shape[0], top_k, block_info, slot_row, slot_weight)
+
+    def forward(x, weights, w_gate_up, w_down):
+        return moe_experts_reference(x, index, weights, w_gate_up, w_down, activation)
+
+    backward = autograd_backward(forward, dy, (x, weights, w_gate_up, w_down))
+
+    def gradients():
+        dx, d_weights, dw_gate_up, dw_down = backward()
+        return dx, d_weights.reshape(-1, 1), dw_gate_up, dw_down
+
+    return gradients
+
+
+def moe_case(
+    name: str, model: str, tokens: int, hidden: int, inter: int, experts: int, top_k: int, backward: bool = False
+) -> Case:
+    """The grouped MoE experts forward or backward, simulated at the full shape. FLOPs the standard way:
+    each of the T*k routed choices through its expert's three projections (6*T*k*H*I), twice that for
+    the backward (dx and the three weight gradients); the padding of the ragged groups, the TensorE
+    transposes and the backward's recomputed gate/up projections (4*T*k*H*I more) are not counted."""
     return Case(
         name=name,
-        kernel=moe_fwd,
-        make_inputs=partial(_moe_inputs, tokens, hidden, inter, experts, top_k),
+        kernel=moe_bwd if backward else moe_fwd,
+        make_inputs=partial(_moe_inputs, tokens, hidden, inter, experts, top_k, backward),
         shape={"tokens": tokens, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": top_k},
         dtype="bfloat16",
         model=model,
-        reference_name="MixtralExperts forward (torch)",
-        prepare_reference=_moe_forward,
+        reference_name=f"MixtralExperts {'backward (autograd)' if backward else 'forward'} (torch)",
+        prepare_reference=_moe_backward if backward else _moe_forward,
         kwargs={"top_k": top_k, "activation": "silu"},
-        standard_flops=6 * tokens * top_k * hidden * inter,
+        standard_flops=(12 if backward else 6) * tokens * top_k * hidden * inter,
     )
 
 
@@ -564,6 +589,8 @@ CASES: list[Case] = [
     moe_case("moe-fwd/mixtral-8x7b/2048-tokens-top2", "Mixtral-8x7B", PREFILL_TOKENS, 4096, 14336, 8, 2),
     moe_case("moe-fwd/mixtral-8x7b/decode-8-top2", "Mixtral-8x7B", 8, 4096, 14336, 8, 2),
     moe_case("moe-fwd/qwen3-30b-a3b/2048-tokens-top8", "Qwen3-30B-A3B", PREFILL_TOKENS, 2048, 768, 128, 8),
+    # The backward at 512 tokens, not the forward's 2048: at 2048 the simulator needs well over 10 minutes.
+    moe_case("moe-bwd/mixtral-8x7b/512-tokens-top2", "Mixtral-8x7B", 512, 4096, 14336, 8, 2, backward=True),
     attention_case("attention-fwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096),
     attention_case("attention-fwd/llama3-8b/causal-8192", "Llama-3-8B", 8192, 8192),
     attention_case("attention-bwd/llama3-8b/causal-4096", "Llama-3-8B", 4096, 4096, backward=True),

@@ -1,8 +1,8 @@
 """MoE experts op: numerics against transformers' MixtralExperts math (fp32 tight, bf16 against torch's own
 bf16 error), ragged groups (an expert with no token, one with a single token, groups over several
-blocks and token tiles), sizes off multiples of 128, gradients (non-zero, then compared), the block
-layout, the kernel's multi-part path and skipped experts, the torch.library contract, torch.compile,
-and bad input."""
+blocks and token tiles), sizes off multiples of 128, gradients (non-zero, then compared; top-1, 2 and 4,
+experts over several backward blocks, masked choices), the block layout, the kernels' multi-part paths
+and skipped experts, the torch.library contract, torch.compile, and bad input."""
 
 import pytest
 import torch
@@ -96,19 +96,50 @@ GRAD_NAMES = ("dx", "d_weights", "d_gate_up", "d_down")
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], (300, 130, 260, 3, 2)], ids=str)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], (300, 130, 260, 3, 2), (200, 72, 136, 3, 1)], ids=str)
 def test_fp32_gradients_match_autograd_of_the_reference(shape, activation):
     args = _inputs(shape, torch.float32, seed=1)
     grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(2))
     with sim.capture() as traces:
         got = _grads(moe_experts, args, activation, grad_out)
-    used = int((torch.bincount(args[1].reshape(-1), minlength=shape[3]) > 0).sum())
-    assert _launches(traces, "moe_fwd") == 1 and _launches(traces, "mlp_bwd") == used
-    want = _grads(moe_experts_reference, args, activation, grad_out)
+    assert [t.kernel for t in traces] == ["moe_fwd", "moe_bwd"]  # one grouped launch each way
+    _assert_grads_match(got, _grads(moe_experts_reference, args, activation, grad_out))
+
+
+def _assert_grads_match(got, want):
     for name, g, w in zip(GRAD_NAMES, got, want):
         assert g.shape == w.shape and g.dtype == torch.float32, name
-        assert w.abs().max() > 0, name  # a vacuous comparison would pass any tolerance
+        # a vacuous comparison would pass any tolerance
+        assert w.abs().max() > 0 and g.abs().max() > 0, name
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * w.abs().max(), msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_backward_over_several_blocks_and_parts_per_expert(monkeypatch, ahead):
+    """Blocks of one token tile, so each expert's ~200 choices span two blocks (the weight gradients'
+    read-back and add) with a partial last tile, and parts of one intermediate tile (several parts, each
+    one's da formed beside the last one's tiles), with and without gate/up rows read ahead."""
+    monkeypatch.setattr(moe_kernels, "backward_block_plan", lambda tokens, *_: (min(128, tokens), 1))
+    monkeypatch.setattr(moe_kernels, "backward_part_plan", lambda *_: (128, ahead))
+    shape = (300, 130, 260, 3, 2)
+    args = _inputs(shape, torch.float32, seed=3)
+    layout = routing_layout(args[1], args[2], 3, 130, 260, torch.float32, backward=True)
+    assert int(layout.block_info[:, 4].sum()) >= 3  # every expert continues in a later block
+    grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(4))
+    got = _grads(moe_experts, args, "gelu_tanh", grad_out)
+    _assert_grads_match(got, _grads(moe_experts_reference, args, "gelu_tanh", grad_out))
+
+
+def test_a_masked_choice_gets_no_gradient():
+    """transformers' expert-parallel marker (index == E): the module skips the choice, so its routing
+    weight gets no gradient and it adds nothing to dx or the weight gradients."""
+    args = list(_inputs((20, 64, 96, 4, 2), torch.float32, seed=5))
+    args[1][3, 1] = 4
+    args[1][7, 0] = 4
+    grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(6))
+    got = _grads(moe_experts, args, "silu", grad_out)
+    assert got[1][3, 1] == 0 and got[1][7, 0] == 0
+    _assert_grads_match(got, _grads(moe_experts_reference, args, "silu", grad_out))
 
 
 def test_an_expert_without_tokens_gets_a_zero_weight_gradient():
@@ -118,16 +149,17 @@ def test_an_expert_without_tokens_gets_a_zero_weight_gradient():
     assert d_gate_up[3].abs().max() > 0 and d_down[3].abs().max() > 0  # the single-token expert learns
 
 
-def test_bf16_gradients_are_within_three_times_torchs_own_bf16_error():
-    args = _inputs(SHAPES[1], torch.bfloat16, seed=1)
+@pytest.mark.parametrize("shape, activation", [(SHAPES[1], "silu"), ((200, 72, 136, 3, 1), "gelu_tanh")], ids=str)
+def test_bf16_gradients_are_within_twice_torchs_own_bf16_error(shape, activation):
+    args = _inputs(shape, torch.bfloat16, seed=1)
     grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(2))
-    got = _grads(moe_experts, args, "silu", grad_out)
-    exact = _grads(moe_experts_reference, _fp32(args), "silu", grad_out)
-    eager = _grads(moe_experts_reference, args, "silu", grad_out)
+    got = _grads(moe_experts, args, activation, grad_out)
+    exact = _grads(moe_experts_reference, _fp32(args), activation, grad_out)
+    eager = _grads(moe_experts_reference, args, activation, grad_out)
     for name, g, e, t in zip(GRAD_NAMES, got, exact, eager):
         assert g.dtype == t.dtype, name
         kernel_error, torch_error = (g.float() - e).abs().max(), (t.float() - e).abs().max()
-        assert 0 < kernel_error <= 3 * torch_error, (name, kernel_error, torch_error)
+        assert 0 < kernel_error <= 2 * torch_error, (name, kernel_error, torch_error)
 
 
 def test_routing_layout_places_every_choice_once_in_its_experts_blocks():
@@ -135,7 +167,7 @@ def test_routing_layout_places_every_choice_once_in_its_experts_blocks():
     index, weights = _routing(tokens, experts, top_k, torch.Generator().manual_seed(5))
     layout = routing_layout(index, weights, experts, 130, 260, torch.float32)
     tile, block, num_blocks = moe_kernels.routing_shape(tokens, top_k, experts, 130, 260, "float32")
-    assert layout.block_info.shape == (num_blocks, 3) and layout.slot_token.shape == (num_blocks * block, 1)
+    assert layout.block_info.shape == (num_blocks, 5) and layout.slot_token.shape == (num_blocks * block, 1)
     rows = layout.slot_row[:, 0]
     used = rows < tokens * top_k
     assert sorted(rows[used].tolist()) == list(range(tokens * top_k))  # every choice once
@@ -145,9 +177,13 @@ def test_routing_layout_places_every_choice_once_in_its_experts_blocks():
     assert torch.equal(layout.slot_weight[used, 0], weights.reshape(-1)[rows[used].long()])
     assert torch.all(layout.slot_token[~used] == tokens) and torch.all(layout.slot_weight[~used] == 0)
     # used tiles cover exactly the block's choices, rounded up to whole token tiles
-    for b, (_, tiles_used, flag) in enumerate(layout.block_info.tolist()):
+    seen = set()
+    for b, (expert, tiles_used, flag, starts, continues) in enumerate(layout.block_info.tolist()):
         in_block = int(used[b * block : (b + 1) * block].sum())
         assert flag == (in_block > 0) and tiles_used == -(-in_block // tile)
+        # the backward's flags: an expert's first block starts its weight gradients, a later one continues
+        assert (starts, continues) == ((0, 0) if not flag else (int(expert not in seen), int(expert in seen)))
+        seen.add(expert)
 
 
 def test_unused_experts_read_none_of_their_weights():
@@ -164,6 +200,22 @@ def test_unused_experts_read_none_of_their_weights():
     exact = moe_experts_reference(*_fp32(args))
     torch_error = (moe_experts_reference(*args).float() - exact).abs().max()
     assert (out.float() - exact).abs().max() <= 2 * torch_error
+
+
+def test_the_backward_reads_only_the_routed_experts_weights():
+    """Decode-like routing: the backward reads the two routed experts' weights and writes their gradients;
+    the six idle experts cost only their gradients' zeros."""
+    tokens, hidden, inter, experts = 3, 128, 256, 8
+    x, _, _, w_gate_up, w_down = _inputs((tokens, hidden, inter, experts, 1), torch.bfloat16)
+    index, weights = torch.tensor([[2], [2], [5]]), torch.ones(tokens, 1)
+    grad_out = torch.randn(tokens, hidden).bfloat16()
+    with sim.capture() as traces:
+        moe_bwd(grad_out, x, index, weights, w_gate_up, w_down, "silu")
+    (trace,) = traces
+    weight_bytes = 2 * 3 * hidden * inter  # one expert's three projections, bf16
+    routed, idle = 2, experts - 2
+    expected = 2 * routed * weight_bytes + idle * weight_bytes  # read and written once; zeros
+    assert expected <= trace.hbm_bytes < expected + 64 * 1024
 
 
 def test_multi_part_forward(monkeypatch):
@@ -262,3 +314,15 @@ def test_sizes_past_the_limits_get_a_clear_error():
         )
     with pytest.raises(ValueError, match="intermediate size 65537 is outside the supported range 1..65536"):
         moe_kernels.check_shapes((2, 8), (1, 2 * 65537, 8), (1, 8, 65537), "silu")
+
+
+def test_the_backward_plan_takes_the_forwards_limits():
+    """The backward's SBUF plan (Trn1's 192 KiB) holds the largest hidden sizes the forward takes."""
+    for dtype, hidden in (("bfloat16", moe_kernels.MAX_HIDDEN), ("float32", moe_kernels.MAX_HIDDEN_FP32)):
+        tile, block_tiles = moe_kernels.backward_block_plan(4096, hidden, moe_kernels.MAX_INTERMEDIATE, dtype)
+        plan = moe_kernels.backward_part_plan(
+            tile, block_tiles, hidden, moe_kernels.MAX_INTERMEDIATE, dtype, moe_kernels.PLAN_SBUF_BYTES
+        )
+        assert block_tiles >= 1 and plan is not None, dtype
+    with pytest.raises(ValueError, match="moe_experts backward: hidden size 16384 .bfloat16. does not fit the 192 KiB"):
+        moe_kernels.backward_block_plan(4096, 16384, 1024, "bfloat16")

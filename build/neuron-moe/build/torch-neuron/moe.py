@@ -16,11 +16,12 @@ transformers' experts modules take, the chosen experts ``top_k_index`` [T, k] an
 ``top_k_weights`` [T, k]. It builds the kernel's block layout from them (:func:`routing_layout`: the
 choices sorted by expert, each expert's group cut into blocks), a few [T*k]-sized index operations.
 
-Backward: ``moe_bwd`` runs, per expert with tokens, the dense gated MLP's NKI kernels
-(``nki_src/mlp.py``) on that expert's gathered rows: its forward again (saving its gate/up
-projections; the grouped forward saves nothing) and its backward, with the output gradient scaled by
-the routing weights. The routing weights' gradient is ``dy . y_e`` per choice, from the recomputed
-expert output. So the backward is one launch pair per expert used, not one grouped launch.
+Backward: ``moe_bwd`` is one grouped NKI launch too (``nki_src/moe.py`` ``moe_bwd``), on a block
+layout of the backward kernel's own block size (``routing_layout(..., backward=True)``): per block of
+an expert's routed tokens it recomputes the gate/up projections (the grouped forward saves nothing),
+and forms dx (scattered back to the tokens' choices, summed per token), the expert's weight gradients
+(summed over its blocks; zero for an expert no token picks) and the routing weights' gradient
+``dy . y_e`` per choice, with the expert's output gradient ``w * dy`` (w the choice's routing weight).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from . import mlp as _mlp
 from ._backend import autocast_dtype, check_float_tensor, define_op, dtype_name, nki_source, op_namespace, run_kernel
 
 _kernels = nki_source(__package__, "moe")
@@ -42,8 +42,8 @@ _OP = "moe_experts"
 
 
 class RoutingLayout(NamedTuple):
-    """The kernel's block layout of one routing (``nki_src/moe.py``): per block slot (expert, used token
-    tiles, used), and per slot the token, the choice (t*k + j) and the routing weight; padding slots
+    """The kernels' block layout of one routing (``nki_src/moe.py``): per block slot (expert, used token
+    tiles, used, starts: the expert's first block, continues: a later one), and per slot the token, the choice (t*k + j) and the routing weight; padding slots
     point past the end (token T, choice T*k) and weigh 0. ``counts[e]`` is expert e's number of choices."""
 
     block_info: torch.Tensor
@@ -54,14 +54,22 @@ class RoutingLayout(NamedTuple):
 
 
 def routing_layout(
-    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int, hidden: int, inter: int, dtype: torch.dtype
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    experts: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    backward: bool = False,
 ) -> RoutingLayout:
-    """Sort the T*k choices by expert and lay each expert's group out in blocks of the kernel's size.
+    """Sort the T*k choices by expert and lay each expert's group out in blocks of the forward kernel's
+    size, or with ``backward`` the backward kernel's (``nki_src/moe.py``).
 
     A choice of an expert outside 0..E-1 (transformers' expert-parallel marker E) is given to expert 0
     with weight 0, so it adds nothing (the module skips it)."""
     tokens, top_k = top_k_index.shape
-    tile, block, num_blocks = _kernels.routing_shape(tokens, top_k, experts, hidden, inter, dtype_name(dtype))
+    shape = _kernels.backward_routing_shape if backward else _kernels.routing_shape
+    tile, block, num_blocks = shape(tokens, top_k, experts, hidden, inter, dtype_name(dtype))
     device = top_k_index.device
     expert = top_k_index.reshape(-1).long()
     weight = top_k_weights.reshape(-1).float()
@@ -92,6 +100,9 @@ def routing_layout(
     block_info[:used, 0] = block_expert.to(torch.int32)
     block_info[:used, 1] = ((in_block + tile - 1) // tile).to(torch.int32)
     block_info[:used, 2] = 1
+    starts = torch.arange(used, device=device) == first_block[block_expert]
+    block_info[:used, 3] = starts.to(torch.int32)
+    block_info[:used, 4] = (~starts).to(torch.int32)
     return RoutingLayout(block_info, slot_token[:, None], slot_row[:, None], slot_weight[:, None], counts)
 
 
@@ -176,36 +187,34 @@ def moe_bwd(
     w_down: torch.Tensor,
     activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, d top_k_weights, d w_gate_up, d w_down), per expert with the dense MLP's NKI kernels.
+    """(dx, d top_k_weights, d w_gate_up, d w_down), every routed expert in one grouped NKI launch.
 
     With y_e the expert's output for a choice (t, j) of weight w: out[t] += w * y_e, so
-    d w = dy[t] . y_e, and the expert's MLP sees the output gradient w * dy[t] (module docstring)."""
+    d w = dy[t] . y_e, and the expert's MLP sees the output gradient w * dy[t] (module docstring).
+    A masked choice (expert outside 0..E-1) gets no gradient, as the module skips it."""
+    validate(x, top_k_index, top_k_weights, w_gate_up, w_down, activation)
+    check_float_tensor(_OP, "grad_out", grad_out, contiguous=False)
     tokens, top_k = top_k_index.shape
-    experts = w_down.shape[0]
-    grad_out = grad_out.contiguous()
-    expert = top_k_index.reshape(-1).long()
-    valid = (expert >= 0) & (expert < experts)
-    order = torch.argsort(torch.where(valid, expert, experts), stable=True)
-    counts = torch.bincount(expert[valid], minlength=experts).tolist()
-    weight = top_k_weights.reshape(-1).float()
-    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    d_weight = torch.zeros(tokens * top_k, dtype=torch.float32, device=x.device)
-    dw_gate_up, dw_down = torch.zeros_like(w_gate_up), torch.zeros_like(w_down)
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        choice = order[start : start + count]
-        start += count
-        token = choice // top_k
-        x_e = x[token]
-        y_e, saved = _mlp.mlp_fwd(x_e, w_gate_up[e], None, w_down[e], activation, True)
-        g = grad_out[token]
-        d_weight[choice] = (g.float() * y_e.float()).sum(-1)
-        dy_e = (g.float() * weight[choice, None]).to(x.dtype)
-        dx_e, dw_gate_up[e], _, dw_down[e] = _mlp.mlp_bwd(dy_e, x_e, w_gate_up[e], None, w_down[e], saved, activation)
-        dx.index_add_(0, token, dx_e.float())
-    return dx.to(x.dtype), d_weight.reshape(tokens, top_k).to(top_k_weights.dtype), dw_gate_up, dw_down
+    experts, hidden, inter = w_down.shape
+    layout = routing_layout(top_k_index, top_k_weights, experts, hidden, inter, x.dtype, backward=True)
+    idle = (layout.counts == 0).to(torch.int32)[:, None]
+    dx, d_weight, dw_gate_up, dw_down = run_kernel(
+        _kernels.moe_bwd,
+        grad_out.contiguous(),
+        x,
+        w_gate_up,
+        w_down,
+        layout.block_info,
+        layout.slot_token,
+        layout.slot_row,
+        layout.slot_weight,
+        idle,
+        top_k,
+        activation,
+    )
+    masked = (top_k_index < 0) | (top_k_index >= experts)
+    d_weight = torch.where(masked, 0.0, d_weight.reshape(tokens, top_k))
+    return dx, d_weight.to(top_k_weights.dtype), dw_gate_up, dw_down
 
 
 @moe_bwd.register_fake
