@@ -76,3 +76,19 @@ def test_cli_says_which_simulation_ran(tmp_path, capsys):
     assert "Simulated trace-only" in capsys.readouterr().out
     (record,) = json.loads(out_json.read_text())["records"]
     assert record["simulation"] == "trace-only"
+
+
+def test_trace_only_runs_of_the_suite_kernels_skip_the_engines_arithmetic(monkeypatch):
+    """Every instruction the suite's kernels use skips its arithmetic in a trace-only run: none reads
+    its operands' values as the engines do (``operands.rows``)."""
+    from kernels_neuron.sim import operands
+
+    def engine_arithmetic(t):
+        raise AssertionError(f"a trace-only run computed with {t!r}")
+
+    inputs = [case.make_inputs(0) for case in SMALL]  # a backward's inputs come from a full forward
+    monkeypatch.setattr(operands, "rows", engine_arithmetic)
+    for case, args in zip(SMALL, inputs):
+        sim.run(case.kernel, *args, grid=case.grid, numerics=False, **case.kwargs)
+    with pytest.raises(AssertionError, match="a trace-only run computed"):
+        sim.run(SMALL[0].kernel, *inputs[0], **SMALL[0].kwargs)  # a full run does compute

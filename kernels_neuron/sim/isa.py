@@ -1457,13 +1457,18 @@ def range_select(
     for role, bound in (("bound0", bound0), ("bound1", bound1)):
         if isinstance(bound, Tensor) and dtypes.name(bound.dtype) != "float32":  # "must be FP32 types"
             raise rule(instr, role, "must be float32", dtype=dtypes.name(bound.dtype))
-    b0 = operands.scalar_or_vector(bound0, instr, "bound0", parts, "vector")
-    b1 = operands.scalar_or_vector(bound1, instr, "bound1", parts, "vector")
-    index = (int(range_start) + np.arange(on_true_tile.free_size, dtype=np.float32))[None, :]
-    assert c0.binary is not None and c1.binary is not None  # as_alu admits only operators with a binary form
-    keep = (c0.binary(index, b0) != 0) & (c1.binary(index, b1) != 0)
-    chosen = np.where(keep, operands.rows(on_true_tile), np.float32(operands.FP32_MIN)).astype(np.float32)
-    dst.write(chosen.reshape(dst.shape), instr)
+    operands.check_scalar_or_vector(bound0, instr, "bound0", parts, "vector")
+    operands.check_scalar_or_vector(bound1, instr, "bound1", parts, "vector")
+    chosen = None
+    if run.numerics:
+        b0, b1 = operands.scalar_or_vector_values(bound0), operands.scalar_or_vector_values(bound1)
+        index = (int(range_start) + np.arange(on_true_tile.free_size, dtype=np.float32))[None, :]
+        assert c0.binary is not None and c1.binary is not None  # as_alu admits only operators with a binary form
+        keep = (c0.binary(index, b0) != 0) & (c1.binary(index, b1) != 0)
+        chosen = np.where(keep, operands.rows(on_true_tile), np.float32(operands.FP32_MIN)).astype(np.float32)
+        dst.write(chosen.reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, chosen, None, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
     run.record(
@@ -1682,6 +1687,11 @@ def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
         )
     if dst.partition_size != data.partition_size or dst.free_size != 6:
         raise rule(instr, "dst", "must hold 6 statistics per partition", dst=list(dst.shape))
+    run = runtime.current()
+    if not run.numerics:
+        dst.write_uncomputed(instr)
+        run.record("vector", "bn_stats", reads=[("data", data)], writes=[("dst", dst)])
+        return
     rows = operands.rows(data).astype(np.float32, copy=False)
     out = []
     for half in (rows[:, 0::2], rows[:, 1::2]):
@@ -1691,7 +1701,7 @@ def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
             m2 = ((half - mean[:, None]) ** 2).sum(axis=1, dtype=np.float32)
         out += [np.full(rows.shape[0], count, np.float32), mean, m2]
     dst.write(np.stack(out, axis=1).reshape(dst.shape), instr)
-    runtime.current().record("vector", "bn_stats", reads=[("data", data)], writes=[("dst", dst)])
+    run.record("vector", "bn_stats", reads=[("data", data)], writes=[("dst", dst)])
 
 
 def bn_aggr(dst: Tensor, data: Tensor, name: str | None = None) -> None:
@@ -1702,14 +1712,18 @@ def bn_aggr(dst: Tensor, data: Tensor, name: str | None = None) -> None:
         raise rule(instr, "data", "elements per partition must be a multiple of 3", free_elements=data.free_size)
     if dst.partition_size != data.partition_size or dst.free_size != 2:
         raise rule(instr, "dst", "must hold (mean, variance) per partition", dst=list(dst.shape))
-    triples = operands.rows(data).astype(np.float32, copy=False).reshape(data.partition_size, -1, 3)
-    count, mean, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
-    total = count.sum(axis=1)
-    with np.errstate(all="ignore"):
-        grand = (count * mean).sum(axis=1) / total
-        var = (m2 + count * (mean - grand[:, None]) ** 2).sum(axis=1) / total
-    dst.write(np.stack([grand, var], axis=1).reshape(dst.shape), instr)
-    runtime.current().record("vector", "bn_aggr", reads=[("data", data)], writes=[("dst", dst)])
+    run = runtime.current()
+    if run.numerics:
+        triples = operands.rows(data).astype(np.float32, copy=False).reshape(data.partition_size, -1, 3)
+        count, mean, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
+        total = count.sum(axis=1)
+        with np.errstate(all="ignore"):
+            grand = (count * mean).sum(axis=1) / total
+            var = (m2 + count * (mean - grand[:, None]) ** 2).sum(axis=1) / total
+        dst.write(np.stack([grand, var], axis=1).reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
+    run.record("vector", "bn_aggr", reads=[("data", data)], writes=[("dst", dst)])
 
 
 def exponential(
