@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 
-IGNORED = {"sim_wall_s"}  # measured on this machine, not modelled
+# Measured on this machine, and how the case was simulated (trace-only or also in full): not modelled.
+IGNORED = {"sim_wall_s", "simulation"}
 
 
 def _records(path: str) -> dict[str, dict]:

@@ -110,11 +110,27 @@ def _bench(args: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 220)
     try:
-        records = bench.run_suite(cases, target=args.target, name_filter=args.filter, progress=sys.stderr.isatty())
+        records = bench.run_suite(
+            cases,
+            target=args.target,
+            name_filter=args.filter,
+            progress=sys.stderr.isatty(),
+            check_numerics=args.check_numerics,
+        )
     except ValueError as exc:
         console.print(f"[red]{exc}[/]; cases: " + ", ".join(c.name for c in cases))
         return 2
+    except bench.TraceMismatch as exc:
+        console.print(f"[red]--check-numerics: a full simulation left a different trace: {exc}[/]")
+        return 1
     console.print(bench.render_table(records))
+    if args.check_numerics:
+        console.print("Simulated trace-only and in full: every case's two traces are identical.")
+    else:
+        console.print(
+            "Simulated trace-only (the engines' arithmetic skipped; the cost model reads only the trace): "
+            "--check-numerics also simulates each case in full and checks the traces match."
+        )
     if not bench.device_available():
         console.print("No Trainium device here: every time above is modelled by the cost model, none is measured.")
     if args.json:
@@ -260,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--target", default="trn2", choices=targets)
     bench_cmd.add_argument("--json", help="write one JSON record per case to this path")
     bench_cmd.add_argument("--plot", help="write a roofline plot (PNG) to this path")
+    bench_cmd.add_argument(
+        "--check-numerics",
+        action="store_true",
+        help="also simulate each case in full (the engines' arithmetic; slow) and check it leaves the "
+        "trace-only run's trace",
+    )
     bench_cmd.set_defaults(run=_bench)
     build_cmd = commands.add_parser("build", help="regenerate build/ (the Hub repos) from the sources")
     build_cmd.add_argument("--check", action="store_true", help="fail if build/ differs from a fresh build")

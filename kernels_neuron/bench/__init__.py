@@ -1,6 +1,8 @@
 """The microbenchmark machinery: run cases through the simulator and cost model, report them.
 
-The cases live in :mod:`kernels_neuron.bench.suite` (imported on demand: it loads the kernels,
+Cases are simulated trace-only (the cost model reads only the trace); ``check_numerics`` also
+simulates each in full and checks the two traces are identical. The cases live in
+:mod:`kernels_neuron.bench.suite` (imported on demand: it loads the kernels,
 and with them ``nki``); this package runs them (:func:`run_suite`), renders the table, writes JSON
 and draws the roofline plot. On a Trainium host (``torch.neuron`` present) each case is also timed
 on the device next to the PyTorch computation it replaces (:func:`device_calls`).
@@ -10,7 +12,15 @@ from __future__ import annotations
 
 from .case import Case, Record
 from .output import plot_roofline, render_table, write_json
-from .runner import device_available, device_calls, run_case, run_suite, torch_inputs
+from .runner import (
+    TraceMismatch,
+    device_available,
+    device_calls,
+    run_case,
+    run_suite,
+    torch_inputs,
+    trace_difference,
+)
 
 __all__ = [
     "Case",
@@ -20,6 +30,8 @@ __all__ = [
     "device_available",
     "device_calls",
     "torch_inputs",
+    "trace_difference",
+    "TraceMismatch",
     "render_table",
     "write_json",
     "plot_roofline",

@@ -70,6 +70,9 @@ class Record:
     instructions: int
     measured_us: float | None = None
     reference_measured_us: float | None = None
+    # How the case was simulated: "trace-only" (the engines' arithmetic skipped; the cost model
+    # reads only the trace), or also in full with the traces checked identical (--check-numerics).
+    simulation: str = "trace-only"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

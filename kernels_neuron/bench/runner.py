@@ -1,4 +1,9 @@
-"""Running benchmark cases: simulate + model every case; on a Trainium host, also time it."""
+"""Running benchmark cases: simulate + model every case; on a Trainium host, also time it.
+
+The cost model needs only the instruction trace, so cases are simulated trace-only
+(``sim.run(..., numerics=False)``: every instruction checked and recorded, the engines' arithmetic
+skipped). ``check_numerics`` also simulates each case in full and checks that both runs leave the
+same trace, instruction by instruction."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import numpy as np
 
 from .. import cost, sim
 from ..sim.dtypes import numpy_to_torch
+from ..sim.trace import Trace
 from .case import Case, Record
 
 NEURON_DEVICE = "neuron"
@@ -73,12 +79,54 @@ def _measure(case: Case, inputs: tuple) -> tuple[float, float]:
     return _time_on_device(kernel), _time_on_device(reference)
 
 
-def run_case(case: Case, target: str = "trn2", seed: int = 0, on_device: bool | None = None) -> Record:
-    """Simulate the case, model it on ``target``, and time it on a device when one is present."""
-    inputs = case.make_inputs(seed)
+TRACE_ONLY = "trace-only"
+CHECKED = "trace-only, checked against a full simulation"
+
+
+class TraceMismatch(AssertionError):
+    """A full simulation of a case left a different trace than its trace-only run."""
+
+
+def trace_difference(trace_only: Trace, full: Trace) -> str | None:
+    """Where two traces of one kernel differ (the first differing instruction, the instruction
+    count or the peak on-chip memory), or None when they are identical."""
+    for index, (a, b) in enumerate(zip(trace_only.instructions, full.instructions)):
+        if a != b:
+            return f"instruction {index} differs: trace-only {a} against full {b}"
+    if len(trace_only) != len(full):
+        return f"instruction count: trace-only {len(trace_only)} against full {len(full)}"
+    for what in ("sbuf_peak_bytes", "psum_peak_bytes"):
+        a, b = getattr(trace_only, what), getattr(full, what)
+        if a != b:
+            return f"{what}: trace-only {a} against full {b}"
+    return None
+
+
+def simulate(case: Case, inputs: tuple, target: str, numerics: bool) -> tuple[sim.SimResult, float]:
+    """One simulation of the case and its wall time in seconds."""
     start = time.perf_counter()
-    result = sim.run(case.kernel, *inputs, target=target, grid=case.grid, **case.kwargs)
-    wall = time.perf_counter() - start
+    result = sim.run(case.kernel, *inputs, target=target, grid=case.grid, numerics=numerics, **case.kwargs)
+    return result, time.perf_counter() - start
+
+
+def run_case(
+    case: Case, target: str = "trn2", seed: int = 0, on_device: bool | None = None, check_numerics: bool = False
+) -> Record:
+    """Simulate the case trace-only, model it on ``target``, and time it on a device when one is present.
+
+    ``check_numerics`` also simulates it in full first (the engines' arithmetic, as a kernel call
+    does) and raises :class:`TraceMismatch` unless the trace-only run left the same trace; the
+    record's ``sim_wall_s`` then counts both simulations."""
+    inputs = case.make_inputs(seed)
+    wall = 0.0
+    if check_numerics:
+        full, wall = simulate(case, inputs, target, numerics=True)
+    result, trace_only_wall = simulate(case, inputs, target, numerics=False)
+    wall += trace_only_wall
+    if check_numerics:
+        difference = trace_difference(result.trace, full.trace)
+        if difference is not None:
+            raise TraceMismatch(f"{case.name}: {difference}")
     report = cost.estimate_trace(result.trace, target, flops=case.standard_flops)
     record = Record(
         name=case.name,
@@ -100,6 +148,7 @@ def run_case(case: Case, target: str = "trn2", seed: int = 0, on_device: bool | 
         pct_hbm_peak=report.pct_hbm_peak,
         sim_wall_s=wall,
         instructions=report.instructions,
+        simulation=CHECKED if check_numerics else TRACE_ONLY,
     )
     if device_available() if on_device is None else on_device:
         record.measured_us, record.reference_measured_us = _measure(case, inputs)
@@ -107,14 +156,19 @@ def run_case(case: Case, target: str = "trn2", seed: int = 0, on_device: bool | 
 
 
 def run_suite(
-    cases: Iterable[Case], target: str = "trn2", name_filter: str | None = None, progress: bool = True
+    cases: Iterable[Case],
+    target: str = "trn2",
+    name_filter: str | None = None,
+    progress: bool = True,
+    check_numerics: bool = False,
 ) -> list[Record]:
-    """Run every case whose name contains ``name_filter``, with a progress bar."""
+    """Run every case whose name contains ``name_filter``, with a progress bar (``check_numerics``:
+    see :func:`run_case`)."""
     chosen = [c for c in cases if name_filter is None or name_filter.lower() in c.name.lower()]
     if not chosen:
         raise ValueError(f"no benchmark case matches filter {name_filter!r}")
     if not progress:
-        return [run_case(c, target) for c in chosen]
+        return [run_case(c, target, check_numerics=check_numerics) for c in chosen]
     from rich.progress import Progress
 
     records = []
@@ -122,6 +176,6 @@ def run_suite(
         task = bar.add_task("simulating + modelling", total=len(chosen))
         for case in chosen:
             bar.update(task, description=f"{case.name}")
-            records.append(run_case(case, target))
+            records.append(run_case(case, target, check_numerics=check_numerics))
             bar.advance(task)
     return records

@@ -141,6 +141,17 @@ def _dma_write(dst: Tensor, values: np.ndarray, instr: str, skip: bool, keep: np
     flat[offsets[inside]] = values.reshape(offsets.shape)[inside]
 
 
+def _dma_uncomputed(dst: Tensor, src: Tensor, instr: str, skip: bool) -> None:
+    """A trace-only DMA of uncomputed data: the index checks of an indirect access, no values."""
+    for t in (src, dst):
+        if t._indirect is not None:
+            t._indirect.flat_offsets(t._buf.data.size, instr, skip)
+    if dst._indirect is None:
+        dst.write_uncomputed(instr)
+    else:
+        runtime.current().mark_uncomputed(dst._buf)
+
+
 def _contiguous_bytes(t: Tensor) -> int:
     """Bytes in the innermost contiguous run of an access: what one DMA descriptor moves (for a
     gather/scatter, the run within one indexed row)."""
@@ -182,10 +193,15 @@ def dma_copy(
     if dge_mode == _DGE.hwdge and not run.target.has_hwdge:
         raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=run.target.name)
     skip = oob_mode == _OOB.skip
-    values, inside = _dma_read(src, instr, skip)
-    if src.dtype != dst.dtype:
-        values = dtypes.to_engine(values)
-    _dma_write(dst, values, instr, skip, inside)
+    if run.numerics or run.computed(src._buf):
+        # Data movement stays exact in a trace-only run wherever its source is: a kernel's inputs
+        # reach the registers and indices it reads while tracing.
+        values, inside = _dma_read(src, instr, skip)
+        if src.dtype != dst.dtype:
+            values = dtypes.to_engine(values)
+        _dma_write(dst, values, instr, skip, inside)
+    else:
+        _dma_uncomputed(dst, src, instr, skip)
     parts = (dst if dst.on_chip else src).partition_size  # 1 for HBM on both sides
     hbm_side = src if not src.on_chip else dst
     run.record(
@@ -268,22 +284,26 @@ def dma_transpose(
     skip = oob_mode == _OOB.skip
     if skip and src._indirect is None:  # the docstring: "Only valid when src uses indirect indexing"
         raise rule(instr, "oob_mode", "skip is only valid when src uses indirect indexing", oob_mode=oob_mode.name)
-    values, inside = _dma_read(src, instr, skip)
-    values = np.transpose(values.reshape(src.shape), axes)
-    if values.size != dst.size:
+    if src.size != dst.size:
         raise rule(
             instr,
             "dst",
             "element count differs from the transposed src",
             dst=list(dst.shape),
-            transposed=list(values.shape),
+            transposed=[src.shape[a] for a in axes],
         )
-    if inside is not None and not inside.all():
-        # oob_mode=skip: elements gathered through an out-of-bounds index leave dst as it was.
-        keep = np.transpose(inside.reshape(src.shape), axes).reshape(dst.shape)
-        values = np.where(keep, values.reshape(dst.shape), np.asarray(dst.read()))
-    dst.write(values.reshape(dst.shape), instr)
-    runtime.current().record(
+    run = runtime.current()
+    if run.numerics or run.computed(src._buf):  # data movement stays exact (see dma_copy)
+        values, inside = _dma_read(src, instr, skip)
+        values = np.transpose(values.reshape(src.shape), axes)
+        if inside is not None and not inside.all():
+            # oob_mode=skip: elements gathered through an out-of-bounds index leave dst as it was.
+            keep = np.transpose(inside.reshape(src.shape), axes).reshape(dst.shape)
+            values = np.where(keep, values.reshape(dst.shape), np.asarray(dst.read()))
+        dst.write(values.reshape(dst.shape), instr)
+    else:
+        _dma_uncomputed(dst, src, instr, skip)
+    run.record(
         "dma",
         "dma_transpose",
         reads=[("src", src)],
@@ -341,12 +361,15 @@ def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name:
         )
     dst, src = operands.compute_tile(dst, instr, "dst", eng), operands.compute_tile(src, instr, "src", eng)
     operands.same_layout(instr, "dst", dst, "src", src)
-    values = np.asarray(src.read())
-    if src.dtype != dst.dtype:
-        # Differing dtypes convert through an fp32 intermediate (ints too: 2**24 + 1 is lost, and
-        # out-of-range values saturate when written back as a narrower int rather than wrapping).
-        values = values.astype(np.float32)
-    dst.write(values.reshape(dst.shape), instr)
+    if run.numerics or run.computed(src._buf):  # data movement stays exact (see dma_copy)
+        values = np.asarray(src.read())
+        if src.dtype != dst.dtype:
+            # Differing dtypes convert through an fp32 intermediate (ints too: 2**24 + 1 is lost, and
+            # out-of-range values saturate when written back as a narrower int rather than wrapping).
+            values = values.astype(np.float32)
+        dst.write(values.reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
     run.record(eng, "tensor_copy", reads=[("src", src)], writes=[("dst", dst)])
 
 
@@ -476,8 +499,8 @@ def nc_matmul(
             allowed="/".join(target.matmul_dst_dtypes),
             target=target.name,
         )
-    st, mv = operands.rows(stationary), operands.rows(moving)
     k = stationary.partition_size
+    m, n = stationary.free_size, moving.free_size
     if double_row:
         if not target.has_fp8_double_row:
             raise rule(instr, "perf_mode", "double_row needs NeuronCore-v3 or newer", target=target.name)
@@ -497,9 +520,7 @@ def nc_matmul(
                 stationary=list(stationary.shape),
                 moving=list(moving.shape),
             )
-        # The contraction spans partitions and the pair dim: [K, 2, M] -> [2K, M].
-        st = st.reshape(k, 2, -1).transpose(1, 0, 2).reshape(2 * k, -1)
-        mv = mv.reshape(k, 2, -1).transpose(1, 0, 2).reshape(2 * k, -1)
+        m, n = m // 2, n // 2  # the contraction spans partitions and the pair dim: [K, 2, M] -> [2K, M]
     if moving.partition_size != k:
         raise rule(
             instr,
@@ -510,7 +531,6 @@ def nc_matmul(
         )
     if k > operands.PE_ARRAY:
         raise rule(instr, "stationary", "contraction (partition) dim exceeds 128", K=k)
-    m, n = st.shape[1], mv.shape[1]
     if m > target.gemm_stationary_fmax:
         raise rule(
             instr, "stationary", "free size exceeds gemm_stationary_fmax", M=m, limit=target.gemm_stationary_fmax
@@ -542,26 +562,33 @@ def nc_matmul(
             last_byte=region.b1 - 1,
             bank_bytes=bank,
         )
-    if is_transpose and target.generation >= 3 and k == n and np.array_equal(mv, np.eye(k, dtype=mv.dtype)):
-        product = st.T.copy()  # bit-accurate transpose mode: NaN/Inf pass through untouched
-    else:
-        with np.errstate(all="ignore"):
-            product = st.T.astype(np.float32, copy=False) @ mv.astype(np.float32, copy=False)
     writers = dst.psum_writers().reshape(m, n)
     if accumulate is None:
         add = writers != runtime.PSUM_UNWRITTEN
     else:
         add = np.full((m, n), bool(accumulate))
-    if add.any():
+    accumulates = bool(add.any())
+    if accumulates:
         _check_accumulation(instr, writers[add], bool(accumulate), target)
-    result = product
-    if add.any():
-        previous = dtypes.to_engine(np.asarray(dst.read())).reshape(m, n)
-        with np.errstate(all="ignore"):
-            result = np.where(add, previous + product, product)
-    dst.write(result.reshape(dst.shape), instr, runtime.PSUM_BY_MATMUL)
+    if run.numerics:
+        st, mv = operands.rows(stationary), operands.rows(moving)
+        if double_row:
+            st, mv = _double_row_pairs(st, k), _double_row_pairs(mv, k)
+        if is_transpose and target.generation >= 3 and k == n and np.array_equal(mv, np.eye(k, dtype=mv.dtype)):
+            product = st.T.copy()  # bit-accurate transpose mode: NaN/Inf pass through untouched
+        else:
+            with np.errstate(all="ignore"):
+                product = st.T.astype(np.float32, copy=False) @ mv.astype(np.float32, copy=False)
+        result = product
+        if accumulates:
+            previous = dtypes.to_engine(np.asarray(dst.read())).reshape(m, n)
+            with np.errstate(all="ignore"):
+                result = np.where(add, previous + product, product)
+        dst.write(result.reshape(dst.shape), instr, runtime.PSUM_BY_MATMUL)
+    else:
+        dst.write_uncomputed(instr, runtime.PSUM_BY_MATMUL)
     reads = [("stationary", stationary), ("moving", moving)]
-    if add.any():
+    if accumulates:
         reads.append(("dst_in", dst))
     contraction = 2 * k if double_row else k
     run.record(
@@ -579,6 +606,11 @@ def nc_matmul(
         row_size=row_size,
         transpose=bool(is_transpose),
     )
+
+
+def _double_row_pairs(values: np.ndarray, k: int) -> np.ndarray:
+    """A double_row operand's [K, 2 * F] rows as the [2K, F] contraction they feed."""
+    return values.reshape(k, 2, -1).transpose(1, 0, 2).reshape(2 * k, -1)
 
 
 def _check_accumulation(instr: str, writers: np.ndarray, explicit: bool, target: Any) -> None:
@@ -624,10 +656,13 @@ def nc_transpose(dst: Tensor, data: Tensor, engine: engine = engine.unknown, nam
         raise rule(instr, "data", f"{eng} engine transposes at most {limit}x{limit}", shape=[p, f])
     if dst.partition_size != f or dst.free_size != p:
         raise rule(instr, "dst", "must be the transposed shape of data", dst=list(dst.shape), expected=[f, p])
-    values = np.asarray(data.read()).reshape(p, f).T
     # TensorE transposes through a matmul against an identity, so its result starts a PSUM group.
-    dst.write(values.reshape(dst.shape), instr, runtime.PSUM_BY_MATMUL if eng == "tensor" else runtime.PSUM_BY_OTHER)
+    writer = runtime.PSUM_BY_MATMUL if eng == "tensor" else runtime.PSUM_BY_OTHER
     run = runtime.current()
+    if run.numerics:
+        dst.write(np.asarray(data.read()).reshape(p, f).T.reshape(dst.shape), instr, writer)
+    else:
+        dst.write_uncomputed(instr, writer)
     flops = 2 * p * p * f if eng == "tensor" else 0
     run.record(
         eng,
@@ -695,16 +730,16 @@ def tensor_tensor(
     operands.same_layout(instr, "dst", dst, "data1", data1)
     operands.not_both_psum(instr, "data1", data1, "data2", data2)
     _check_bitvec(instr, [alu], {"data1": data1, "data2": data2, "dst": dst})
-    if eng == "gpsimd" and all_int32 and alu.name in _GPSIMD_INT_ALU:
+    run = runtime.current()
+    if not run.numerics:
+        dst.write_uncomputed(instr)
+    elif eng == "gpsimd" and all_int32 and alu.name in _GPSIMD_INT_ALU:
         # GpSimd's native 32-bit integer arithmetic: exact (no fp32 rounding above 2**24), and the
         # int64 result wraps to 32 bits when written, as two's-complement hardware does.
-        result = _GPSIMD_INT_ALU[alu.name](operands.rows(data1), operands.rows(data2))
+        dst.write(_GPSIMD_INT_ALU[alu.name](operands.rows(data1), operands.rows(data2)).reshape(dst.shape), instr)
     else:
-        result = _alu_apply(alu, operands.rows(data1), operands.rows(data2))
-    dst.write(result.reshape(dst.shape), instr)
-    runtime.current().record(
-        eng, "tensor_tensor", reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)], alu=alu.name
-    )
+        dst.write(_alu_apply(alu, operands.rows(data1), operands.rows(data2)).reshape(dst.shape), instr)
+    run.record(eng, "tensor_tensor", reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)], alu=alu.name)
 
 
 _SCALAR_ENGINE_COMBOS = {("multiply", "add"), ("multiply", None), ("add", None)}
@@ -769,15 +804,20 @@ def tensor_scalar(
                     dtype=dtypes.name(operand.dtype),
                 )
     parts = data.partition_size
-    a0 = operands.scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, eng)
-    values = _alu_apply(first, operands.rows(data), a0, reverse0)
+    operand0 = 0.0 if operand0 is None else operand0
+    operands.check_scalar_or_vector(operand0, instr, "operand0", parts, eng)
     if second is not None:
-        a1 = operands.scalar_or_vector(0.0 if operand1 is None else operand1, instr, "operand1", parts, eng)
-        values = _alu_apply(second, values, a1, reverse1)
-    if values.shape != (parts, data.free_size):
-        values = np.broadcast_to(values, (parts, data.free_size))
-    dst.write(values.reshape(dst.shape), instr)
-    runtime.current().record(
+        operands.check_scalar_or_vector(0.0 if operand1 is None else operand1, instr, "operand1", parts, eng)
+    run = runtime.current()
+    if run.numerics:
+        values = _alu_apply(first, operands.rows(data), operands.scalar_or_vector_values(operand0), reverse0)
+        if second is not None:
+            a1 = operands.scalar_or_vector_values(0.0 if operand1 is None else operand1)
+            values = _alu_apply(second, values, a1, reverse1)
+        dst.write(np.broadcast_to(values, (parts, data.free_size)).reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
+    run.record(
         eng,
         "tensor_scalar",
         reads=operands.reads(data=data, operand0=operand0, operand1=operand1),
@@ -809,11 +849,14 @@ def scalar_tensor_tensor(
     operands.same_layout(instr, "dst", dst, "data", data)
     operands.same_layout(instr, "data", data, "operand1", operand1)
     operands.not_both_psum(instr, "data", data, "operand1", operand1)
-    a0 = operands.scalar_or_vector(operand0, instr, "operand0", data.partition_size, "vector")
-    values = _alu_apply(first, operands.rows(data), a0, reverse0)
-    values = _alu_apply(second, values, operands.rows(operand1), reverse1)
-    dst.write(values.reshape(dst.shape), instr)
-    runtime.current().record(
+    operands.check_scalar_or_vector(operand0, instr, "operand0", data.partition_size, "vector")
+    run = runtime.current()
+    if run.numerics:
+        values = _alu_apply(first, operands.rows(data), operands.scalar_or_vector_values(operand0), reverse0)
+        dst.write(_alu_apply(second, values, operands.rows(operand1), reverse1).reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
+    run.record(
         "vector",
         "scalar_tensor_tensor",
         reads=operands.reads(data=data, operand0=operand0, operand1=operand1),
@@ -827,10 +870,14 @@ def reciprocal(dst: Tensor, data: Tensor, name: str | None = None) -> None:
     instr = "nisa.reciprocal"
     dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
     operands.same_layout(instr, "dst", dst, "data", data)
-    with np.errstate(all="ignore"):
-        values = np.float32(1.0) / operands.rows(data).astype(np.float32, copy=False)
-    dst.write(values.reshape(dst.shape), instr)
-    runtime.current().record("vector", "reciprocal", reads=[("data", data)], writes=[("dst", dst)])
+    run = runtime.current()
+    if run.numerics:
+        with np.errstate(all="ignore"):
+            values = np.float32(1.0) / operands.rows(data).astype(np.float32, copy=False)
+        dst.write(values.reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
+    run.record("vector", "reciprocal", reads=[("data", data)], writes=[("dst", dst)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -894,14 +941,10 @@ def tensor_reduce(
         raise rule(
             instr, "axis", "must be the last contiguous free dims, ending at the final dim", axis=axes, ndim=data.ndim
         )
-    values = dtypes.to_engine(np.asarray(data.read()))
     if alu.kind == "bitvec" and not operands.is_int(data):
         raise rule(instr, "data", "bitvec reductions need integer tiles", dtype=dtypes.name(data.dtype))
-    reduced = _reduce(alu, values.reshape(values.shape[: axes[0]] + (-1,)), -1)
-    if negate:
-        if alu.kind == "bitvec":
-            raise rule(instr, "negate", "only applies to arithmetic reductions", op=alu.name)
-        reduced = -reduced
+    if negate and alu.kind == "bitvec":
+        raise rule(instr, "negate", "only applies to arithmetic reductions", op=alu.name)
     kept = int(np.prod([data.shape[d] for d in range(1, data.ndim) if d not in axes]))
     if dst.partition_size != data.partition_size or dst.free_size != kept:
         raise rule(
@@ -911,8 +954,14 @@ def tensor_reduce(
             dst=list(dst.shape),
             expected_elements_per_partition=kept,
         )
-    dst.write(np.asarray(reduced).reshape(dst.shape), instr)
-    runtime.current().record("vector", "tensor_reduce", reads=[("data", data)], writes=[("dst", dst)], alu=alu.name)
+    run = runtime.current()
+    if run.numerics:
+        values = dtypes.to_engine(np.asarray(data.read()))
+        reduced = _reduce(alu, values.reshape(values.shape[: axes[0]] + (-1,)), -1)
+        dst.write(np.asarray(-reduced if negate else reduced).reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
+    run.record("vector", "tensor_reduce", reads=[("data", data)], writes=[("dst", dst)], alu=alu.name)
 
 
 def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None = None) -> None:
@@ -936,20 +985,23 @@ def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None
 
 
 def _accumulate(
-    registers: np.ndarray, parts: int, cmd: reduce_cmd, op: Op, values: np.ndarray, init: Any, instr: str
+    registers: np.ndarray, parts: int, cmd: reduce_cmd, op: Op, values: np.ndarray | None, init: Any, instr: str
 ) -> None:
-    """Apply a reduce_cmd to per-lane accumulator registers (in place)."""
+    """Apply a reduce_cmd to per-lane accumulator registers (in place); with ``values`` None (a
+    trace-only run, whose registers hold no values) only check it."""
     cmd = _CMD(cmd)
+    if cmd == reduce_cmd.load_reduce:
+        if init is None:
+            raise rule(instr, "reduce_init", "is required with reduce_cmd.load_reduce")
+        operands.check_scalar_or_vector(init, instr, "reduce_init", parts, "vector")
+    if values is None:
+        return
     identity = op.identity if op.identity is not None else 0.0
     lane = registers[:parts]
     if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
         lane[:] = identity
     elif cmd == reduce_cmd.load_reduce:
-        if init is None:
-            raise rule(instr, "reduce_init", "is required with reduce_cmd.load_reduce")
-        lane[:] = np.broadcast_to(operands.scalar_or_vector(init, instr, "reduce_init", parts, "vector"), (parts, 1))[
-            :, 0
-        ]
+        lane[:] = np.broadcast_to(operands.scalar_or_vector_values(init), (parts, 1))[:, 0]
     if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce, reduce_cmd.load_reduce):
         lane[:] = _alu_apply(op, lane, _reduce(op, values.astype(np.float32), -1))
 
@@ -962,7 +1014,10 @@ def _read_out(reduce_res: Tensor | None, registers: np.ndarray, parts: int, inst
         raise rule(
             instr, "reduce_res", "must have shape (partitions, 1)", shape=list(reduce_res.shape), partitions=parts
         )
-    reduce_res.write(registers[:parts].reshape(reduce_res.shape), instr)
+    if runtime.current().numerics:
+        reduce_res.write(registers[:parts].reshape(reduce_res.shape), instr)
+    else:
+        reduce_res.write_uncomputed(instr)
 
 
 def tensor_scalar_reduce(
@@ -989,12 +1044,18 @@ def tensor_scalar_reduce(
     dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
     operands.same_layout(instr, "dst", dst, "data", data)
     parts = data.partition_size
-    a0 = operands.scalar_or_vector(0.0 if operand0 is None else operand0, instr, "operand0", parts, "vector")
-    values = np.broadcast_to(_alu_apply(first, operands.rows(data), a0, reverse0), (parts, data.free_size))
-    dst.write(values.reshape(dst.shape), instr)
-    # Engines accumulate their fp32 results; only the write to dst rounds.
-    stored = np.asarray(values, dtype=np.float32)
+    operand0 = 0.0 if operand0 is None else operand0
+    operands.check_scalar_or_vector(operand0, instr, "operand0", parts, "vector")
     run = runtime.current()
+    stored = None
+    if run.numerics:
+        a0 = operands.scalar_or_vector_values(operand0)
+        values = np.broadcast_to(_alu_apply(first, operands.rows(data), a0, reverse0), (parts, data.free_size))
+        dst.write(values.reshape(dst.shape), instr)
+        # Engines accumulate their fp32 results; only the write to dst rounds.
+        stored = np.asarray(values, dtype=np.float32)
+    else:
+        dst.write_uncomputed(instr)
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, stored, reduce_init, instr)
     registers = -run.vector_accumulator if reduce_res_negate else run.vector_accumulator
     _read_out(reduce_res, registers, parts, instr, "vector")
@@ -1110,15 +1171,16 @@ def tensor_scalar_cumulative(
 # ---------------------------------------------------------------------------------------------
 # ScalarE
 # ---------------------------------------------------------------------------------------------
-def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, relu_param: Any = 0.0) -> np.ndarray:
+def _activation_values(
+    instr: str, op: Op, data: Tensor, bias: Any, scale: Any, relu_param: Any = 0.0
+) -> np.ndarray | None:
+    """``op(data * scale + bias)`` in fp32, after checking the operands; None in a trace-only run."""
     run = runtime.current()
     parts = data.partition_size
-    x = operands.rows(data).astype(np.float32, copy=False)
     if isinstance(scale, Tensor):
         if dtypes.name(scale.dtype) != "float32":
             raise rule(instr, "scale", "a scale vector must be float32", dtype=dtypes.name(scale.dtype))
-    with np.errstate(over="ignore", invalid="ignore"):  # masked logits (-3.4e38) scale to -inf, as in fp32 hardware
-        x = x * np.float32(1.0) * operands.scalar_or_vector(scale, instr, "scale", parts, "scalar")
+    operands.check_scalar_or_vector(scale, instr, "scale", parts, "scalar")
     if bias is not None:
         if op.name == "reciprocal" and run.target.generation == 2:  # nki.api.shared.rst, engine selection
             raise rule(
@@ -1128,9 +1190,18 @@ def _activation_values(instr: str, op: Op, data: Tensor, bias: Any, scale: Any, 
             raise rule(instr, "bias", "NeuronCore-v2 takes bias only as a (P, 1) vector", target=run.target.name)
         if isinstance(bias, Tensor) and dtypes.name(bias.dtype) == "tfloat32":
             raise rule(instr, "bias", "tfloat32 bias is not supported")
-        x = x + operands.scalar_or_vector(bias, instr, "bias", parts, "scalar")
+        operands.check_scalar_or_vector(bias, instr, "bias", parts, "scalar")
     if op.name == "prelu":
-        slope = operands.scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
+        operands.check_scalar_or_vector(relu_param, instr, "relu_param", parts, "scalar")
+    if not run.numerics:
+        return None
+    x = operands.rows(data).astype(np.float32, copy=False)
+    with np.errstate(over="ignore", invalid="ignore"):  # masked logits (-3.4e38) scale to -inf, as in fp32 hardware
+        x = x * np.float32(1.0) * operands.scalar_or_vector_values(scale)
+    if bias is not None:
+        x = x + operands.scalar_or_vector_values(bias)
+    if op.name == "prelu":
+        slope = operands.scalar_or_vector_values(relu_param)
         return np.where(x >= 0, x, x * slope).astype(np.float32)
     unary = op.unary
     assert unary is not None  # as_activation admits only operators with a unary form
@@ -1154,7 +1225,7 @@ def activation(
     dst, data = operands.compute_tile(dst, instr, "dst", "scalar"), operands.compute_tile(data, instr, "data", "scalar")
     operands.same_layout(instr, "dst", dst, "data", data)
     values = _activation_values(instr, fn, data, bias, scale)
-    dst.write(values.reshape(dst.shape), instr)
+    _write_activation(dst, values, instr)
     run = runtime.current()
     red = None
     reduce_cmd = _CMD(reduce_cmd)
@@ -1162,7 +1233,7 @@ def activation(
         red = as_alu(reduce_op if reduce_op is not None else _OPS["add"], instr, "reduce_op")
         if red.name != "add":
             raise rule(instr, "reduce_op", "ScalarE reduces with nl.add only", op=red.name)
-        stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
+        stored = None if values is None else np.asarray(values, dtype=np.float32)  # accumulated before the output cast
         _accumulate(run.scalar_accumulator, data.partition_size, reduce_cmd, red, stored, None, instr)
     _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
     run.record(
@@ -1173,6 +1244,14 @@ def activation(
         func=fn.name,
         reduce=red is not None,
     )
+
+
+def _write_activation(dst: Tensor, values: np.ndarray | None, instr: str) -> None:
+    """Store an activation's result (None: a trace-only run computed none)."""
+    if values is None:
+        dst.write_uncomputed(instr)
+    else:
+        dst.write(values.reshape(dst.shape), instr)
 
 
 def activation_reduce(
@@ -1195,8 +1274,8 @@ def activation_reduce(
     dst, data = operands.compute_tile(dst, instr, "dst", "scalar"), operands.compute_tile(data, instr, "data", "scalar")
     operands.same_layout(instr, "dst", dst, "data", data)
     values = _activation_values(instr, fn, data, bias, scale)
-    dst.write(values.reshape(dst.shape), instr)
-    stored = np.asarray(values, dtype=np.float32)  # accumulated before the output cast
+    _write_activation(dst, values, instr)
+    stored = None if values is None else np.asarray(values, dtype=np.float32)  # accumulated before the output cast
     _accumulate(run.scalar_accumulator, data.partition_size, _CMD.reset_reduce, red, stored, None, instr)
     _read_out(reduce_res, run.scalar_accumulator, data.partition_size, instr, "scalar")
     run.record(
@@ -1381,13 +1460,18 @@ def range_select(
     for role, bound in (("bound0", bound0), ("bound1", bound1)):
         if isinstance(bound, Tensor) and dtypes.name(bound.dtype) != "float32":  # "must be FP32 types"
             raise rule(instr, role, "must be float32", dtype=dtypes.name(bound.dtype))
-    b0 = operands.scalar_or_vector(bound0, instr, "bound0", parts, "vector")
-    b1 = operands.scalar_or_vector(bound1, instr, "bound1", parts, "vector")
-    index = (int(range_start) + np.arange(on_true_tile.free_size, dtype=np.float32))[None, :]
-    assert c0.binary is not None and c1.binary is not None  # as_alu admits only operators with a binary form
-    keep = (c0.binary(index, b0) != 0) & (c1.binary(index, b1) != 0)
-    chosen = np.where(keep, operands.rows(on_true_tile), np.float32(operands.FP32_MIN)).astype(np.float32)
-    dst.write(chosen.reshape(dst.shape), instr)
+    operands.check_scalar_or_vector(bound0, instr, "bound0", parts, "vector")
+    operands.check_scalar_or_vector(bound1, instr, "bound1", parts, "vector")
+    chosen = None
+    if run.numerics:
+        b0, b1 = operands.scalar_or_vector_values(bound0), operands.scalar_or_vector_values(bound1)
+        index = (int(range_start) + np.arange(on_true_tile.free_size, dtype=np.float32))[None, :]
+        assert c0.binary is not None and c1.binary is not None  # as_alu admits only operators with a binary form
+        keep = (c0.binary(index, b0) != 0) & (c1.binary(index, b1) != 0)
+        chosen = np.where(keep, operands.rows(on_true_tile), np.float32(operands.FP32_MIN)).astype(np.float32)
+        dst.write(chosen.reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
     _accumulate(run.vector_accumulator, parts, reduce_cmd, red, chosen, None, instr)
     _read_out(reduce_res, run.vector_accumulator, parts, instr, "vector")
     run.record(
@@ -1606,6 +1690,11 @@ def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
         )
     if dst.partition_size != data.partition_size or dst.free_size != 6:
         raise rule(instr, "dst", "must hold 6 statistics per partition", dst=list(dst.shape))
+    run = runtime.current()
+    if not run.numerics:
+        dst.write_uncomputed(instr)
+        run.record("vector", "bn_stats", reads=[("data", data)], writes=[("dst", dst)])
+        return
     rows = operands.rows(data).astype(np.float32, copy=False)
     out = []
     for half in (rows[:, 0::2], rows[:, 1::2]):
@@ -1615,7 +1704,7 @@ def bn_stats(dst: Tensor, data: Tensor, name: str | None = None) -> None:
             m2 = ((half - mean[:, None]) ** 2).sum(axis=1, dtype=np.float32)
         out += [np.full(rows.shape[0], count, np.float32), mean, m2]
     dst.write(np.stack(out, axis=1).reshape(dst.shape), instr)
-    runtime.current().record("vector", "bn_stats", reads=[("data", data)], writes=[("dst", dst)])
+    run.record("vector", "bn_stats", reads=[("data", data)], writes=[("dst", dst)])
 
 
 def bn_aggr(dst: Tensor, data: Tensor, name: str | None = None) -> None:
@@ -1626,14 +1715,18 @@ def bn_aggr(dst: Tensor, data: Tensor, name: str | None = None) -> None:
         raise rule(instr, "data", "elements per partition must be a multiple of 3", free_elements=data.free_size)
     if dst.partition_size != data.partition_size or dst.free_size != 2:
         raise rule(instr, "dst", "must hold (mean, variance) per partition", dst=list(dst.shape))
-    triples = operands.rows(data).astype(np.float32, copy=False).reshape(data.partition_size, -1, 3)
-    count, mean, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
-    total = count.sum(axis=1)
-    with np.errstate(all="ignore"):
-        grand = (count * mean).sum(axis=1) / total
-        var = (m2 + count * (mean - grand[:, None]) ** 2).sum(axis=1) / total
-    dst.write(np.stack([grand, var], axis=1).reshape(dst.shape), instr)
-    runtime.current().record("vector", "bn_aggr", reads=[("data", data)], writes=[("dst", dst)])
+    run = runtime.current()
+    if run.numerics:
+        triples = operands.rows(data).astype(np.float32, copy=False).reshape(data.partition_size, -1, 3)
+        count, mean, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
+        total = count.sum(axis=1)
+        with np.errstate(all="ignore"):
+            grand = (count * mean).sum(axis=1) / total
+            var = (m2 + count * (mean - grand[:, None]) ** 2).sum(axis=1) / total
+        dst.write(np.stack([grand, var], axis=1).reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
+    run.record("vector", "bn_aggr", reads=[("data", data)], writes=[("dst", dst)])
 
 
 def exponential(
@@ -1709,7 +1802,7 @@ def set_rng_seed(src_seeds: Tensor, name: str | None = None) -> None:
             shape=list(src_seeds.shape),
             dtype=dtypes.name(src_seeds.dtype),
         )
-    seed = int(np.asarray(src_seeds.read()).view(np.uint32).reshape(-1)[0])
+    seed = int(np.asarray(src_seeds.computed_values(instr, "src_seeds")).view(np.uint32).reshape(-1)[0])
     run = runtime.current()
     run.rng = np.random.default_rng(seed)
     run.record("vector", "set_rng_seed", reads=[("src_seeds", src_seeds)])
@@ -1875,7 +1968,9 @@ def register_load(dst: VirtualRegister, src: Tensor) -> None:
     src = operands.tile(src, "nisa.register_load", "src")
     if src.size != 1:
         raise rule("nisa.register_load", "src", "must hold exactly one element", shape=list(src.shape))
-    dst.value = int(np.asarray(dtypes.to_engine(np.asarray(src.read()))).reshape(-1)[0])
+    dst.value = int(
+        np.asarray(dtypes.to_engine(np.asarray(src.computed_values("nisa.register_load", "src")))).reshape(-1)[0]
+    )
 
 
 def register_store(dst: Tensor, src: VirtualRegister) -> None:

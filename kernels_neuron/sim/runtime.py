@@ -33,6 +33,7 @@ class Buffer:
         "kind",
         "dtype",
         "data",
+        "address",
         "name",
         "on_chip",
         "partition_bytes",
@@ -46,6 +47,8 @@ class Buffer:
         self.kind = kind
         self.dtype = dtype
         self.data = data
+        # Where the storage starts: trace-only runs track which memory holds uncomputed values by it.
+        self.address: int = data.__array_interface__["data"][0]
         self.name = name
         self.on_chip = on_chip = kind in ON_CHIP
         self.partition_bytes = (data.nbytes // data.shape[0]) if on_chip and data.ndim else data.nbytes
@@ -69,6 +72,8 @@ class Run:
         shared: dict[int, Buffer] | None = None,
         seed: int = 0,
         explicit_grid: bool = False,
+        numerics: bool = True,
+        uncomputed: set[int] | None = None,
     ) -> None:
         if capacity not in ("error", "warn"):
             raise ValueError(f"capacity must be 'error' or 'warn', got {capacity!r}")
@@ -83,6 +88,12 @@ class Run:
         self._shared = shared if shared is not None else {}
         self._shared_seq = 0
         self.seed = seed
+        # False: a trace-only run. Instructions check their operands and record the trace as
+        # always, but skip their arithmetic; what they would have written is "uncomputed".
+        self.numerics = numerics
+        # The storage addresses (Buffer.address) of buffers some instruction wrote without
+        # computing the values (numerics=False), shared by the launch's programs.
+        self.uncomputed = uncomputed if uncomputed is not None else set()
         self.rng = np.random.default_rng(seed)
         # Per-lane generator state of nisa.rand_set_state / rand_get_state, by engine (see prng.py).
         self.prng_states: dict[str, np.ndarray] = {}
@@ -109,6 +120,7 @@ class Run:
         value = dtypes.uninitialized_fill(dtype) if fill is None else fill
         data = np.full(shape, value, dtype=storage)
         buf = Buffer(self._new_id(), kind, dtype, data, name)
+        self.uncomputed.discard(buf.address)  # fresh memory, perhaps where a freed uncomputed buffer was
         if kind == "shared_hbm" and self.grid != (1,):
             self._shared[seq] = buf
         if buf.on_chip:
@@ -119,6 +131,15 @@ class Run:
     def wrap_hbm(self, array: np.ndarray, name: str) -> Buffer:
         """An HBM buffer backed by the caller's own memory, so in-place writes reach them."""
         return Buffer(self._new_id(), "shared_hbm", dtypes.canonical(array.dtype), array, name)
+
+    # -- trace-only runs ----------------------------------------------------------------------
+    def computed(self, buf: Buffer) -> bool:
+        """Whether ``buf`` holds the values a full simulation would (always, unless numerics=False)."""
+        return buf.address not in self.uncomputed
+
+    def mark_uncomputed(self, buf: Buffer) -> None:
+        """Some instruction wrote ``buf`` without computing the values (a trace-only run)."""
+        self.uncomputed.add(buf.address)
 
     def _new_id(self) -> int:
         self._next_id += 1
@@ -160,6 +181,11 @@ class Run:
     ) -> Instruction:
         reads = [(role, t) for role, t in reads if t is not None]
         writes = [(role, t) for role, t in writes if t is not None]
+        if not self.numerics and any(not self.computed(t._buf) for _, t in reads):
+            # Whatever an instruction computes from an uncomputed operand is uncomputed too
+            # (the instructions that still run their arithmetic in a trace-only run rely on this).
+            for _, t in writes:
+                self.mark_uncomputed(t._buf)
         operands = tuple(Operand(role, t.shape, dtypes.name(t.dtype), t.buffer) for role, t in writes + reads)
         partitions = free = 0
         for _, t in writes + reads:

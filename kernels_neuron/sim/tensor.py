@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from . import dtypes, frontend
-from .errors import NkiValidationError, SimulatorUnsupported, rule
+from . import dtypes, frontend, runtime
+from .errors import NkiValidationError, SimulatorUnsupported, UncomputedValueError, rule
 from .runtime import PSUM_BY_OTHER, PSUM_UNWRITTEN, Buffer, region_of
 from .trace import Region
 
@@ -64,7 +64,7 @@ class Indirect:
         """Offsets into the flattened allocation and a mask of the in-bounds ones."""
         # A [P, N] index tile is read column by column (indices.T.flatten()), as a gather-transpose
         # with N > 1 index columns consumes it; for the usual [P, 1] tile the order is the same.
-        rows = np.asarray(self.index.read()).T.reshape(-1).astype(np.int64)
+        rows = np.asarray(self.index.computed_values(instruction, "vector_offset")).T.reshape(-1).astype(np.int64)
         if rows.size < self.nums[self.dim]:
             raise rule(
                 instruction,
@@ -233,6 +233,29 @@ class Tensor:
         written = self._buf.written
         if written is not None:
             self._written_view(written)[...] = psum_writer
+
+    def write_uncomputed(self, instruction: str = "write", psum_writer: int = PSUM_BY_OTHER) -> None:
+        """What :meth:`write` does in a trace-only run (``numerics=False``), where the instruction
+        skips its arithmetic: the same checks and PSUM bookkeeping, no values; the buffer is marked
+        as holding uncomputed values (reading them while tracing raises ``UncomputedValueError``)."""
+        if not self._view.flags.writeable:
+            raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
+        written = self._buf.written
+        if written is not None:
+            self._written_view(written)[...] = psum_writer
+        runtime.current().mark_uncomputed(self._buf)
+
+    def computed_values(self, instruction: str, role: str) -> np.ndarray:
+        """The stored values, for a kernel that reads them while it traces (a register load, an
+        offset, a gather index): in a trace-only run they must be ones it computed."""
+        run = runtime.active()
+        if run is not None and not run.computed(self._buf):
+            raise UncomputedValueError(
+                f"{instruction}: {role}: {self!r} holds values a trace-only run (numerics=False) did not "
+                "compute, and the kernel reads them while it traces, so its trace depends on them; "
+                "run it with numerics=True"
+            )
+        return self._view
 
     def _written_view(self, written: np.ndarray) -> np.ndarray:
         return _same_view(written, self._buf.data, self._view)
@@ -648,7 +671,7 @@ class Tensor:
         """
         if self._indirect is not None:
             raise TypeError(f"the truth value of an indirect access pattern {self!r} is not defined")
-        return bool(np.all(np.asarray(self.read()) != 0))
+        return bool(np.all(np.asarray(self.computed_values("bool", "tensor")) != 0))
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         raise TypeError(
@@ -712,7 +735,7 @@ def _scalar_value(x: Any) -> int:
     if isinstance(x, Tensor):
         if x.size != 1:
             raise ValueError(f"scalar_offset must hold one element, got {list(x.shape)}")
-        return int(np.asarray(x.read()).reshape(-1)[0])
+        return int(np.asarray(x.computed_values("scalar offset", "tensor")).reshape(-1)[0])
     if hasattr(x, "value"):
         return int(x.value)
     return int(x)

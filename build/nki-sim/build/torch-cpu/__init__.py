@@ -21,6 +21,13 @@ array([2., 2., 2.], dtype=float32)
 >>> result = sim.run(double, np.ones((4, 8), np.float32))
 >>> [i.op for i in result.trace]
 ['dma_copy', 'tensor_scalar', 'dma_copy']
+
+For cost modelling, ``sim.run(..., numerics=False)`` records the same trace without the arithmetic
+(a trace-only run: no outputs; see :func:`run`):
+
+>>> traced = sim.run(double, np.ones((4, 8), np.float32), numerics=False)
+>>> traced.outputs is None and traced.trace.instructions == result.trace.instructions
+True
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from .errors import (
     NkiValidationError,
     NoActiveKernel,
     SimulatorUnsupported,
+    UncomputedValueError,
 )
 from .jit import Kernel, SimResult, capture, jit, run, simulate
 from .targets import TARGETS, Target
@@ -64,6 +72,7 @@ __all__ = [
     "CapacityWarning",
     "AccumulateUninitializedWarning",
     "SimulatorUnsupported",
+    "UncomputedValueError",
     "NoActiveKernel",
     "isa",
     "language",

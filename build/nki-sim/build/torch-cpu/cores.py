@@ -173,10 +173,15 @@ def sendrecv(
                 limit=limit,
             )
     key = pair + (str(pipe_id),)
-    programs.mailboxes[key + (rank, send_to)].append(np.array(src.read(), copy=True))
+    # The values travel with whether they were computed (a trace-only run computes no arithmetic).
+    programs.mailboxes[key + (rank, send_to)].append((np.array(src.read(), copy=True), run.computed(src._buf)))
     inbox = programs.mailboxes[key + (recv_from, rank)]
     programs.wait(lambda: bool(inbox), f"{instr}(pipe_id={pipe_id})")
-    dst.write(inbox.popleft(), instr)
+    values, computed = inbox.popleft()
+    if computed:
+        dst.write(values, instr)
+    else:
+        dst.write_uncomputed(instr)
     run.record(
         "gpsimd" if mode == _DmaEngine.gpsimd_dma else "dma",
         "sendrecv",

@@ -30,6 +30,12 @@ class SimulatorUnsupported(NotImplementedError):
     """A documented NKI API that this simulator does not execute (named in the message)."""
 
 
+class UncomputedValueError(RuntimeError):
+    """A trace-only run (``numerics=False``) needed a value it did not compute: the kernel reads, while
+    it traces, a value an instruction computed (a register load, a dynamic loop bound, an offset, a
+    gather index). Such a kernel's trace depends on its data; run it with ``numerics=True``."""
+
+
 class NoActiveKernel(RuntimeError):
     """An NKI call was made outside a running ``@nki.jit`` kernel."""
 

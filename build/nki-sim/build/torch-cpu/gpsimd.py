@@ -102,7 +102,8 @@ def local_gather(
             expected=valid * num_elem_per_idx,
         )
     source = np.asarray(src_buffer.read()).reshape(parts, -1)
-    indices = np.asarray(index.read()).reshape(parts, -1).astype(np.int64)
+    # The indices decide a check (gathers past the end), so a trace-only run needs them computed.
+    indices = np.asarray(index.computed_values(instr, "index")).reshape(parts, -1).astype(np.int64)
     offsets = np.arange(num_elem_per_idx)
     gathered = np.empty((parts, valid * num_elem_per_idx), dtype=source.dtype)
     for first in range(0, parts, PARTITIONS_PER_CORE):

@@ -48,10 +48,14 @@ class KernelInterfaceError(NkiValidationError, TypeError):
 
 @dataclass
 class SimResult:
-    """What a simulated launch produced: the kernel's return value and its instruction trace."""
+    """What a simulated launch produced: the kernel's return value and its instruction trace.
+
+    A trace-only launch (``numerics=False``) computes no results: its ``outputs`` are None.
+    """
 
     outputs: Any
     trace: Trace
+    numerics: bool = True
 
 
 class Kernel:
@@ -107,6 +111,7 @@ def run(
     capacity: str = "error",
     seed: int = 0,
     strict_lnc: bool | None = None,
+    numerics: bool = True,
     **kwargs: Any,
 ) -> SimResult:
     """Simulate one launch and return its outputs together with its trace.
@@ -114,11 +119,21 @@ def run(
     ``target`` is "trn1", "trn2" (default) or "trn3" (else ``NEURON_PLATFORM_TARGET_OVERRIDE``);
     ``capacity="warn"`` turns SBUF/PSUM overflow errors into warnings; ``strict_lnc=True`` (or
     ``KERNELS_NEURON_STRICT_LNC=1``) accepts only the launch brackets NKI documents, ``[1]`` and ``[2]``.
+
+    ``numerics=False`` is a trace-only run, for cost modelling: every instruction checks its
+    operands and records the same trace, but the engines' arithmetic is skipped. The inputs keep
+    their values and data moved from them stays exact, so a kernel that reads input-derived values
+    while it traces (routing tables into registers, gather indices) traces as it would; one that
+    reads a value an instruction computed raises ``UncomputedValueError``. ``outputs`` is None, and
+    an argument array the kernel wrote with uncomputed values is filled as never-written memory reads
+    (NaN for floats).
     """
     k = simulate(kernel)
     if grid is not None:
         k = k[grid]
-    return launch(k, args, kwargs, target=target, capacity=capacity, seed=seed, strict_lnc=strict_lnc)
+    return launch(
+        k, args, kwargs, target=target, capacity=capacity, seed=seed, strict_lnc=strict_lnc, numerics=numerics
+    )
 
 
 class capture:
@@ -159,6 +174,7 @@ def launch(
     capacity: str = "error",
     seed: int = 0,
     strict_lnc: bool | None = None,
+    numerics: bool = True,
 ) -> SimResult:
     if strict_lnc is None:
         strict_lnc = os.environ.get(STRICT_LNC_ENV, "") not in ("", "0")
@@ -171,6 +187,8 @@ def launch(
     shared: dict[int, runtime.Buffer] = {}
     outputs: list[Any] = [None]
     programs: cores.Programs | None = None
+    uncomputed: set[int] = set()  # shared by the programs, as their arguments' memory is
+    arguments: list[runtime.Buffer] = []
 
     def run_program(program: tuple[int, ...]) -> None:
         rt = runtime.Run(
@@ -182,13 +200,16 @@ def launch(
             shared=shared,
             seed=seed,
             explicit_grid=kernel.grid is not None,
+            numerics=numerics,
+            uncomputed=uncomputed,
         )
         rt.cores = programs
         with runtime.activate(rt):
             hbm_args = [_to_hbm(rt, a, f"arg{i}") for i, a in enumerate(args)]
             hbm_kwargs = {k: _to_hbm(rt, v, k) for k, v in kwargs.items()}
+            arguments.extend(t._buf for t in _tensors(hbm_args) + _tensors(list(hbm_kwargs.values())))
             returned = kernel.func(*hbm_args, **hbm_kwargs)
-            outputs[0] = _from_hbm(returned, torch_in)
+            outputs[0] = _from_hbm(returned, torch_in) if numerics else None
 
     every_program = list(np.ndindex(*grid))
     if len(every_program) == 1:
@@ -199,9 +220,24 @@ def launch(
         programs = cores.Programs([functools.partial(run_program, p) for p in every_program])
         programs.run()
     outputs = outputs[0]
+    for buf in arguments:
+        if buf.address in uncomputed:
+            # In-place results a trace-only run did not compute must not pass for results.
+            buf.data[...] = dtypes.uninitialized_fill(buf.dtype)
     for sink in getattr(_captures, "stack", None) or ():
         sink.append(trace)
-    return SimResult(outputs, trace)
+    return SimResult(outputs, trace, numerics)
+
+
+def _tensors(values: list) -> list[Tensor]:
+    """The tensors among kernel arguments (lists and tuples of them included)."""
+    found: list[Tensor] = []
+    for value in values:
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(_tensors(list(value)))
+    return found
 
 
 def _is_torch(x: Any) -> bool:

@@ -396,6 +396,9 @@ def program_ndim() -> int:
 
 def device_print(print_prefix: str, tensor: Tensor) -> None:
     """Print a tensor's current values now (on hardware this goes to the runtime's debug dir)."""
+    if not runtime.current().computed(tensor._buf):
+        print(f"{print_prefix} {tensor!r}: not computed (a trace-only run, numerics=False)")
+        return
     values = np.asarray(tensor.read())
     print(f"{print_prefix} {tensor!r}:\n{values.astype(np.float32) if dtypes.is_float(tensor.dtype) else values}")
 

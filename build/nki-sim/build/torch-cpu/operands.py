@@ -129,16 +129,25 @@ def rows(t: Tensor) -> np.ndarray:
 
 def scalar_or_vector(x: Any, instr: str, role: str, parts: int, eng: str) -> np.ndarray | float:
     """A compile-time scalar, or a [P, 1] tile broadcast along the free dim."""
+    check_scalar_or_vector(x, instr, role, parts, eng)
+    return scalar_or_vector_values(x)
+
+
+def check_scalar_or_vector(x: Any, instr: str, role: str, parts: int, eng: str) -> None:
+    """The checks of :func:`scalar_or_vector` alone (a trace-only run reads no values)."""
     if isinstance(x, Tensor):
         compute_tile(x, instr, role, eng)
         if x.partition_size != parts or x.free_size != 1:
             raise rule(
                 instr, role, "a vector operand must have shape (partitions, 1)", shape=list(x.shape), partitions=parts
             )
-        return rows(x)
-    if isinstance(x, (bool, int, float, np.integer, np.floating)):
-        return float(x)
-    raise rule(instr, role, f"expected a scalar or a (P, 1) tile, got {type(x).__name__}")
+    elif not isinstance(x, (bool, int, float, np.integer, np.floating)):
+        raise rule(instr, role, f"expected a scalar or a (P, 1) tile, got {type(x).__name__}")
+
+
+def scalar_or_vector_values(x: Any) -> np.ndarray | float:
+    """The values of an operand :func:`check_scalar_or_vector` accepted."""
+    return rows(x) if isinstance(x, Tensor) else float(x)
 
 
 def engine_for(requested: Any, instr: str, allowed: Sequence[str], default: str) -> str:

@@ -85,7 +85,9 @@ def rand_set_state(src_seeds: Tensor, engine: engine = engine.gpsimd, name: str 
     src_seeds = operands.compute_tile(src_seeds, instr, "src_seeds", eng, ("sbuf",))
     _check_state_tile(instr, "src_seeds", src_seeds, eng)
     first, parts = src_seeds.start_partition, src_seeds.partition_size
-    lanes(run, eng)[first : first + parts] = np.asarray(src_seeds.read()).reshape(parts, -1)
+    lanes(run, eng)[first : first + parts] = np.asarray(src_seeds.computed_values(instr, "src_seeds")).reshape(
+        parts, -1
+    )
     run.prng_seeded.add(eng)
     run.record(eng, "rand_set_state", reads=[("src_seeds", src_seeds)])
 
