@@ -143,3 +143,28 @@ def test_psum_accumulation_is_tracked_without_values():
     roles = [[op.role for op in i.operands] for i in trace_only.trace if i.op == "nc_matmul"]
     assert roles == [["dst", "stationary", "moving"]] + [["dst", "stationary", "moving", "dst_in"]] * 2
     assert trace_only.trace.instructions == full.trace.instructions
+
+
+def test_a_gather_through_computed_indices_is_traced_without_them():
+    """Indices a trace-only run did not compute (here, an iota) decide only which rows move, not the
+    trace (an indirect access is recorded as touching its whole allocation): the gather is traced, and
+    its destination is uncomputed."""
+
+    @nki.jit
+    def kernel(data):
+        index_f = nl.ndarray((4, 1), nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=index_f, pattern=[[0, 1]], offset=0, channel_multiplier=2)
+        index = nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=index, src=index_f, engine=nisa.engine.gpsimd)
+        rows = nl.ndarray((4, 8), data.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=data.ap(pattern=[[8, 4], [1, 8]], vector_offset=index, indirect_dim=0))
+        out = nl.ndarray((4, 8), data.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=rows)
+        return out
+
+    data = np.arange(64, dtype=np.float32).reshape(8, 8)
+    full = sim.run(kernel, data)
+    np.testing.assert_array_equal(full.outputs, data[[0, 2, 4, 6]])
+    traced = sim.run(kernel, data, numerics=False)
+    assert traced.outputs is None
+    assert [(i.op, i.attrs) for i in traced.trace.instructions] == [(i.op, i.attrs) for i in full.trace.instructions]

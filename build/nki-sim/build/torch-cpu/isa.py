@@ -141,10 +141,18 @@ def _dma_write(dst: Tensor, values: np.ndarray, instr: str, skip: bool, keep: np
     flat[offsets[inside]] = values.reshape(offsets.shape)[inside]
 
 
+def _indices_computed(run: Any, *tensors: Tensor) -> bool:
+    """Whether every gather/scatter index of these accesses holds values the run computed."""
+    return all(run.computed(t._indirect.index._buf) for t in tensors if t._indirect is not None)
+
+
 def _dma_uncomputed(dst: Tensor, src: Tensor, instr: str, skip: bool) -> None:
-    """A trace-only DMA of uncomputed data: the index checks of an indirect access, no values."""
+    """A trace-only DMA of uncomputed data, or through uncomputed indices: the index checks of an
+    indirect access whose indices are known, no values. (An indirect access is recorded as touching its
+    whole allocation, so the trace does not depend on the indices; only their bounds go unchecked.)"""
+    run = runtime.current()
     for t in (src, dst):
-        if t._indirect is not None:
+        if t._indirect is not None and _indices_computed(run, t):
             t._indirect.flat_offsets(t._buf.data.size, instr, skip)
     if dst._indirect is None:
         dst.write_uncomputed(instr)
@@ -193,9 +201,9 @@ def dma_copy(
     if dge_mode == _DGE.hwdge and not run.target.has_hwdge:
         raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=run.target.name)
     skip = oob_mode == _OOB.skip
-    if run.numerics or run.computed(src._buf):
-        # Data movement stays exact in a trace-only run wherever its source is: a kernel's inputs
-        # reach the registers and indices it reads while tracing.
+    if run.numerics or (run.computed(src._buf) and _indices_computed(run, src, dst)):
+        # Data movement stays exact in a trace-only run wherever its source and indices are: a
+        # kernel's inputs reach the registers and indices it reads while tracing.
         values, inside = _dma_read(src, instr, skip)
         if src.dtype != dst.dtype:
             values = dtypes.to_engine(values)
@@ -293,7 +301,7 @@ def dma_transpose(
             transposed=[src.shape[a] for a in axes],
         )
     run = runtime.current()
-    if run.numerics or run.computed(src._buf):  # data movement stays exact (see dma_copy)
+    if run.numerics or (run.computed(src._buf) and _indices_computed(run, src)):  # exact (see dma_copy)
         values, inside = _dma_read(src, instr, skip)
         values = np.transpose(values.reshape(src.shape), axes)
         if inside is not None and not inside.all():
@@ -361,7 +369,7 @@ def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name:
         )
     dst, src = operands.compute_tile(dst, instr, "dst", eng), operands.compute_tile(src, instr, "src", eng)
     operands.same_layout(instr, "dst", dst, "src", src)
-    if run.numerics or run.computed(src._buf):  # data movement stays exact (see dma_copy)
+    if run.numerics or (run.computed(src._buf) and _indices_computed(run, src)):  # exact (see dma_copy)
         values = np.asarray(src.read())
         if src.dtype != dst.dtype:
             # Differing dtypes convert through an fp32 intermediate (ints too: 2**24 + 1 is lost, and
