@@ -987,8 +987,10 @@ def tensor_partition_reduce(dst: Tensor, op: Any, data: Tensor, name: str | None
             dst=list(dst.shape),
             expected=[1, data.free_size],
         )
-    reduced = _reduce(alu, operands.rows(data), 0)
-    dst.write(reduced.reshape(dst.shape), instr)
+    if runtime.current().numerics:
+        dst.write(_reduce(alu, operands.rows(data), 0).reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
     runtime.current().record("gpsimd", "tensor_partition_reduce", reads=[("data", data)], writes=[("dst", dst)])
 
 
@@ -1419,10 +1421,13 @@ def affine_select(
     if isinstance(on_false_value, Tensor):
         raise rule(instr, "on_false_value", "must be a float32 scalar")
     values = _affine_values(instr, pattern, offset, channel_multiplier, dst.partition_size, dst.free_size)
-    assert compare.binary is not None  # as_alu admits only operators with a binary form
-    keep = compare.binary(values.astype(np.float32), np.float32(0)) != 0
-    chosen = np.where(keep, operands.rows(on_true_tile), np.float32(on_false_value))
-    dst.write(chosen.reshape(dst.shape), instr)
+    if runtime.current().numerics:
+        assert compare.binary is not None  # as_alu admits only operators with a binary form
+        keep = compare.binary(values.astype(np.float32), np.float32(0)) != 0
+        chosen = np.where(keep, operands.rows(on_true_tile), np.float32(on_false_value))
+        dst.write(chosen.reshape(dst.shape), instr)
+    else:
+        dst.write_uncomputed(instr)
     runtime.current().record("gpsimd", "affine_select", reads=[("on_true_tile", on_true_tile)], writes=[("dst", dst)])
 
 
