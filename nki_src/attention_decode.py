@@ -446,8 +446,9 @@ class _Chunk(nl.NKIObject):
 
     def __init__(self, group, k0, parts, per_partition, causal_cut, window_cut, constants, source):
         self.group, self.k0, self.parts, self.t = group, k0, parts, per_partition
-        self.causal_cut, self.window_cut = causal_cut, window_cut  # (offset, window) of the masks it crosses
-        self.constants = constants
+        # the masks it crosses: the causal offset (query i sees keys <= i + offset) and the window's
+        # lowest key (query i sees keys >= i + lowest), or None
+        self.causal_cut, self.window_cut = causal_cut, window_cut
         self.ones, self.minus_one = constants.ones, constants.minus_one
         self.ones_fp32, self.one_fp32 = constants.ones_fp32, constants.one_fp32
         self.source = source  # _DenseCache, or the _PagedBlocks this chunk's keys were gathered into
@@ -456,8 +457,8 @@ class _Chunk(nl.NKIObject):
         self.query_groups = []  # groups whose queries this chunk's load stage loads (before its keys)
 
     def load(self):
-        """The group's queries with its first chunk; this chunk's K [parts, T, D] and V [parts, T, D + 1]
-        (with a ones column), as views of what the source loaded."""
+        """The queries of ``query_groups`` first; then this chunk's K [parts, D] and [V | 1] [parts, D + 1]
+        per key block, as views of what the source loaded."""
         for group in self.query_groups:
             group.load_queries()
         self.keys, self.values = self.source.take(self)
