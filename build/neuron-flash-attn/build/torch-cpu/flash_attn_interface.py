@@ -541,8 +541,7 @@ def _check_kvcache(op: str, q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
 def _reads_pages(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the paged decode kernel reads a paged cache ``[blocks, block_size, Hkv, D]`` itself: few
     queries (``decodes``), the query in the cache's dtype, a contiguous cache."""
-    kv_heads_first = k_cache[:1, :1].permute(0, 2, 1, 3)  # decodes() reads the KV head count and D
-    return query.dtype == k_cache.dtype and k_cache.is_contiguous() and decodes(query, kv_heads_first)
+    return query.dtype == k_cache.dtype and k_cache.is_contiguous() and decodes(query, k_cache.transpose(1, 2))
 
 
 def flash_attn_with_kvcache(

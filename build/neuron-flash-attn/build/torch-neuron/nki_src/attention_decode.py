@@ -449,8 +449,7 @@ class _Chunk(nl.NKIObject):
         # the masks it crosses: the causal offset (query i sees keys <= i + offset) and the window's
         # lowest key (query i sees keys >= i + lowest), or None
         self.causal_cut, self.window_cut = causal_cut, window_cut
-        self.ones, self.minus_one = constants.ones, constants.minus_one
-        self.ones_fp32, self.one_fp32 = constants.ones_fp32, constants.one_fp32
+        self.constants = constants
         self.source = source  # _DenseCache, or the _PagedBlocks this chunk's keys were gathered into
         self.keys = self.values = self.keys_t = self.logits = self.probs = self.banks = None
         self.last = False  # the group's last chunk
@@ -580,13 +579,13 @@ class _Chunk(nl.NKIObject):
                 for j in range(jc):
                     nisa.nc_matmul(
                         dst=bank[:, j, :],
-                        stationary=self.ones[:, 0:parts],
+                        stationary=self.constants.ones[:, 0:parts],
                         moving=negated,
                         is_stationary_onezero=True,
                         accumulate=True,
                     )
                 nisa.activation(dst=self.probs[:, j0 : j0 + jc, :], op=nl.exp, data=bank, scale=group.exp_scale)
-            nisa.nc_matmul(dst=column, stationary=negated, moving=self.minus_one)
+            nisa.nc_matmul(dst=column, stationary=negated, moving=self.constants.minus_one)
             self.banks = None
         else:
             if self.logits is None:  # few rows: subtracting on VectorE is cheaper than the rank-1 updates
@@ -594,7 +593,7 @@ class _Chunk(nl.NKIObject):
                 self.banks = None
             row_max = self._row_max([self.logits])
             spread_psum = nl.ndarray((parts, rows), nl.float32, buffer=nl.psum)
-            nisa.nc_matmul(dst=spread_psum, stationary=self.ones_fp32[:, 0:parts], moving=row_max)
+            nisa.nc_matmul(dst=spread_psum, stationary=self.constants.ones_fp32[:, 0:parts], moving=row_max)
             spread = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)  # VectorE reads one PSUM input at most
             nisa.activation(dst=spread, op=nl.copy, data=spread_psum)
             shifted = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
@@ -603,7 +602,7 @@ class _Chunk(nl.NKIObject):
             )
             self.logits = None
             nisa.activation(dst=self.probs, op=nl.exp, data=shifted, scale=group.exp_scale)
-            nisa.nc_matmul(dst=column, stationary=row_max, moving=self.one_fp32)
+            nisa.nc_matmul(dst=column, stationary=row_max, moving=self.constants.one_fp32)
         self.max_column = column
 
     def multiply_values(self):
