@@ -32,6 +32,7 @@ from .attention import (
     flash_attention,
     flash_attn_varlen,
     flash_decode_paged_fwd,
+    kernel_options,
 )
 
 _Result = TypeVar("_Result")
@@ -617,10 +618,7 @@ def flash_attn_with_kvcache(
             block_table.to(torch.int32).contiguous(),
             k_cache.shape[1],
             totals,
-            float(softmax_scale) if softmax_scale is not None else d**-0.5,
-            bool(causal),
-            int(window or 0),
-            float(softcap or 0.0),
+            *kernel_options(softmax_scale, d, causal, window, softcap),
         )
     else:
         if block_table is None:
@@ -642,7 +640,9 @@ def flash_attn_with_kvcache(
             softcap=softcap or None,
             return_lse=True,
         )
-    lse[torch.tensor(totals, device=lse.device) == 0] = float("-inf")  # an empty sequence, as FlashAttention
+    empty = [b for b, total in enumerate(totals) if total == 0]
+    if empty:  # an empty sequence's lse is -inf, as FlashAttention gives it
+        lse[empty] = float("-inf")
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out
 

@@ -272,6 +272,16 @@ def _backward(ctx, grad_out, _grad_lse):
 torch.library.register_autograd(f"{_NS}::flash_attn_fwd", _backward, setup_context=_setup_context)
 
 
+def kernel_options(scale: float | None, head_dim: int, causal: bool, window, softcap) -> tuple:
+    """The kernels' (scale, causal, window, softcap) arguments: the default scale 1/sqrt(D), 0 for none."""
+    return (
+        float(scale) if scale is not None else head_dim**-0.5,
+        bool(causal),
+        int(window or 0),
+        float(softcap or 0.0),
+    )
+
+
 def decodes(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the decode kernel takes q ``[B, H, Sq, D]`` against k ``[B, Hkv, Sk, D]``: at most
     ``DECODE_MAX_QUERIES`` queries, head_dim and query rows per KV head within its limits."""
@@ -291,11 +301,14 @@ def _ranges(key_ranges: list[int], batch: int) -> tuple[tuple[int, int], ...] | 
     return tuple(zip(key_ranges[0::2], key_ranges[1::2]))
 
 
-def _validate_decode(q, k, v, key_ranges) -> None:
+def _validate_decode(q, k, v, key_ranges) -> tuple[tuple[int, int], ...] | None:
+    """Check the op's arguments; returns the key ranges as the kernel's pairs."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float_tensor("flash_decode_fwd", name, t)
     _decode.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape))
-    _decode.check_key_ranges(_ranges(key_ranges, q.shape[0]), q.shape[0], k.shape[2])
+    pairs = _ranges(key_ranges, q.shape[0])
+    _decode.check_key_ranges(pairs, q.shape[0], k.shape[2], "flash_decode_fwd")
+    return pairs
 
 
 @define_op(f"{_NS}::flash_decode_fwd")
@@ -311,18 +324,8 @@ def flash_decode_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode kernel: (out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] fp32). ``key_ranges``: empty,
     or ``[start, end]`` per batch row, the cache positions the row attends to (aligned at ``end``)."""
-    _validate_decode(q, k, v, key_ranges)
-    return run_kernel(
-        _decode.flash_decode_fwd,
-        q,
-        k,
-        v,
-        float(scale),
-        bool(causal),
-        int(window),
-        float(softcap),
-        _ranges(key_ranges, q.shape[0]),
-    )
+    pairs = _validate_decode(q, k, v, key_ranges)
+    return run_kernel(_decode.flash_decode_fwd, q, k, v, float(scale), bool(causal), int(window), float(softcap), pairs)
 
 
 @flash_decode_fwd.register_fake
@@ -457,10 +460,7 @@ def flash_attention(
         k.contiguous(),
         v.contiguous(),
         bias,
-        float(scale) if scale is not None else d**-0.5,
-        bool(causal),
-        int(window or 0),
-        float(softcap or 0.0),
+        *kernel_options(scale, d, causal, window, softcap),
         None,
     )
     return (out, lse) if return_lse else out
@@ -488,11 +488,7 @@ def decode_attention(
     q, k, v = _autocast(q, k, v)
     _check_qkv(op, q, k, v, "B, H, S, D")
     _check_options(op, scale, window, softcap, 0.0)
-    if len(key_ranges) != q.shape[0] or any(not 0 <= s <= e <= k.shape[2] for s, e in key_ranges):
-        raise ValueError(
-            f"{op}: key_ranges must hold one (start, end) with 0 <= start <= end <= {k.shape[2]} per batch "
-            f"row ({q.shape[0]}), got {list(key_ranges)}"
-        )
+    _decode.check_key_ranges(key_ranges, q.shape[0], k.shape[2], op)
     if decodes(q, k):
         flat = [int(x) for pair in key_ranges for x in pair]
         return _run_decode(q, k, v, flat, scale, causal, window, softcap, return_lse)
@@ -522,10 +518,7 @@ def _run_decode(q, k, v, flat_ranges, scale, causal, window, softcap, return_lse
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),
-        float(scale) if scale is not None else q.shape[3] ** -0.5,
-        bool(causal),
-        int(window or 0),
-        float(softcap or 0.0),
+        *kernel_options(scale, q.shape[3], causal, window, softcap),
         flat_ranges,
     )
     return (out, lse) if return_lse else out
@@ -589,10 +582,7 @@ def _packed(q, k, v, cu_seqlens, scale, causal, window, softcap):
     out, lse = flash_attn_fwd(
         *packed,
         None,
-        float(scale) if scale is not None else d**-0.5,
-        bool(causal),
-        int(window or 0),
-        float(softcap or 0.0),
+        *kernel_options(scale, d, causal, window, softcap),
         cu_seqlens,
     )
     return out.squeeze(0).transpose(0, 1).contiguous(), lse.squeeze(0)

@@ -67,13 +67,14 @@ TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied o
 FP32_MIN = -3.4028234663852886e38
 
 
-def check_key_ranges(key_ranges, batch, keys):
-    """Raise ValueError unless ``key_ranges`` is None or one (start, end) per batch row within the keys."""
+def check_key_ranges(key_ranges, batch, keys, op="flash_decode"):
+    """Raise ValueError (naming ``op``) unless ``key_ranges`` is None or one (start, end) per batch row
+    within the keys."""
     if key_ranges is None:
         return
     if len(key_ranges) != batch or any(not 0 <= start <= end <= keys for start, end in key_ranges):
         raise ValueError(
-            f"flash_decode: key_ranges must be one (start, end) with 0 <= start <= end <= {keys} per batch row "
+            f"{op}: key_ranges must be one (start, end) with 0 <= start <= end <= {keys} per batch row "
             f"({batch}), got {tuple(key_ranges)}"
         )
 
