@@ -154,10 +154,7 @@ def _dma_uncomputed(dst: Tensor, src: Tensor, instr: str, skip: bool) -> None:
     for t in (src, dst):
         if t._indirect is not None and _indices_computed(run, t):
             t._indirect.flat_offsets(t._buf.data.size, instr, skip)
-    if dst._indirect is None:
-        dst.write_uncomputed(instr)
-    else:
-        runtime.current().mark_uncomputed(dst._buf)
+    dst.write_uncomputed(instr)
 
 
 def _contiguous_bytes(t: Tensor) -> int:
@@ -369,7 +366,7 @@ def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name:
         )
     dst, src = operands.compute_tile(dst, instr, "dst", eng), operands.compute_tile(src, instr, "src", eng)
     operands.same_layout(instr, "dst", dst, "src", src)
-    if run.numerics or (run.computed(src._buf) and _indices_computed(run, src)):  # exact (see dma_copy)
+    if run.numerics or run.computed(src._buf):  # exact (see dma_copy); compute tiles are never indirect
         values = np.asarray(src.read())
         if src.dtype != dst.dtype:
             # Differing dtypes convert through an fp32 intermediate (ints too: 2**24 + 1 is lost, and
@@ -577,7 +574,9 @@ def nc_matmul(
         add = np.full((m, n), bool(accumulate))
     accumulates = bool(add.any())
     if accumulates:
-        _check_accumulation(instr, writers[add], bool(accumulate), target)
+        # Every element the rules concern is one this matmul adds to (all of them with accumulate=True;
+        # with None, every written one), so the rules read the whole tile, no masked copy.
+        _check_accumulation(instr, writers, bool(accumulate), target)
     if run.numerics:
         st, mv = operands.rows(stationary), operands.rows(moving)
         if double_row:

@@ -238,7 +238,9 @@ class Tensor:
         """What :meth:`write` does in a trace-only run (``numerics=False``), where the instruction
         skips its arithmetic: the same checks and PSUM bookkeeping, no values; the buffer is marked
         as holding uncomputed values (reading them while tracing raises ``UncomputedValueError``)."""
-        if not self._view.flags.writeable:
+        # An indirect access (a scatter) is a read-only shape view on purpose; it writes HBM, which keeps
+        # no PSUM bookkeeping.
+        if self._indirect is None and not self._view.flags.writeable:
             raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
         written = self._buf.written
         if written is not None:
