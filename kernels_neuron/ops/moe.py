@@ -31,7 +31,16 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from ._backend import autocast_dtype, check_float_tensor, define_op, dtype_name, nki_source, op_namespace, run_kernel
+from ._backend import (
+    autocast_dtype,
+    check_float_tensor,
+    check_operands,
+    define_op,
+    dtype_name,
+    nki_source,
+    op_namespace,
+    run_kernel,
+)
 
 _kernels = nki_source(__package__, "moe")
 ACTIVATIONS = _kernels.ACTIVATIONS
@@ -115,8 +124,7 @@ def validate(
     activation: str,
 ) -> None:
     """Raise a clear error (op, argument, value, limit) for anything the kernel cannot take."""
-    for name, tensor in (("x", x), ("gate_up weight", w_gate_up), ("down weight", w_down)):
-        check_float_tensor(_OP, name, tensor)
+    check_operands(_OP, [("x", x), ("gate_up weight", w_gate_up), ("down weight", w_down)], "x and the weights")
     check_float_tensor(_OP, "top_k_weights", top_k_weights, contiguous=False)
     if top_k_index.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{_OP}: top_k_index has dtype {top_k_index.dtype}; expected int64 or int32")
@@ -131,12 +139,7 @@ def validate(
             f"{_OP}: top_k_weights of shape {tuple(top_k_weights.shape)} does not match top_k_index "
             f"{tuple(top_k_index.shape)}"
         )
-    if len({x.dtype, w_gate_up.dtype, w_down.dtype}) != 1:
-        raise TypeError(
-            f"{_OP}: x and the weights must share one dtype, got x {x.dtype}, gate_up {w_gate_up.dtype}, "
-            f"down {w_down.dtype}"
-        )
-    devices = {t.device for t in (x, top_k_index, top_k_weights, w_gate_up, w_down)}
+    devices = {t.device for t in (x, top_k_index, top_k_weights, w_gate_up, w_down)}  # the routing too
     if len(devices) != 1:
         raise ValueError(f"{_OP}: the inputs are on different devices: {sorted(map(str, devices))}")
     _kernels.check_shapes(

@@ -159,7 +159,7 @@ def check_shapes(x_shape, gate_up_shape, down_shape, activation, dtypes=None):
     check_sizes_and_dtype("moe_experts", hidden, inter, dtypes, "x and the weights")
 
 
-def _fixed_bytes(tile, block, hidden, dtype):
+def _fixed_bytes(block, hidden, dtype):
     """SBUF per partition that does not grow with the part: weight staging, x^T, the row tiles."""
     size = itemsize(dtype)
     h_tiles = ceil_div(hidden, P)
@@ -195,7 +195,7 @@ def block_plan(tokens, hidden, inter, dtype):
 
     def fits(tile, block_tiles):
         block = block_tiles * tile
-        return _fixed_bytes(tile, block, hidden, dtype) + _part_tile_bytes(block, dtype) <= PLAN_SBUF_BYTES
+        return _fixed_bytes(block, hidden, dtype) + _part_tile_bytes(block, dtype) <= PLAN_SBUF_BYTES
 
     plan = largest_block(tokens, fits)
     if plan is None:
@@ -206,9 +206,9 @@ def block_plan(tokens, hidden, inter, dtype):
     return plan
 
 
-def part_tiles(tile, block, hidden, inter, dtype, sbuf_bytes):
+def part_tiles(block, hidden, inter, dtype, sbuf_bytes):
     """Intermediate tiles per part: as many as the target's SBUF holds beside the fixed buffers."""
-    fit = (sbuf_bytes - _fixed_bytes(tile, block, hidden, dtype)) // _part_tile_bytes(block, dtype)
+    fit = (sbuf_bytes - _fixed_bytes(block, hidden, dtype)) // _part_tile_bytes(block, dtype)
     return max(1, min(ceil_div(inter, P), fit))
 
 
@@ -294,6 +294,13 @@ class _WeightStream(nl.NKIObject):
         return current
 
 
+def _slot_column(table, start, tile, dtype):
+    """table[start : start + tile] as an SBUF [tile, 1] column: one value per partition."""
+    column = nl.ndarray((tile, 1), dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=column, src=table[nl.ds(start, tile), :])
+    return column
+
+
 class _Experts(nl.NKIObject):
     """What the forward's steps share: inputs, the routing tables, outputs and the plan."""
 
@@ -301,8 +308,8 @@ class _Experts(nl.NKIObject):
         self.x, self.w_gate_up, self.w_down = x, w_gate_up, w_down
         self.slot_token, self.slot_row, self.slot_weight = slot_token, slot_row, slot_weight
         self.rows_out, self.partial, self.activation = rows_out, partial, activation
-        self.tile, self.block, self.part_tiles = plan
-        self.tokens, self.hidden = x.shape
+        self.tile, self.block = plan
+        self.hidden = x.shape[1]
         self.inter = w_down.shape[2]
         self.dtype = x.dtype
         self.evictions = _Evictions()
@@ -321,17 +328,11 @@ class _Experts(nl.NKIObject):
                 specs.append((self.w_down, h0, hsz, p0, p_cols))
         return _WeightStream(self, blk.expert, specs)
 
-    def _slot_column(self, table, start, dtype):
-        """table[start : start + tile] as an SBUF [tile, 1] column: one value per partition."""
-        column = nl.ndarray((self.tile, 1), dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=column, src=table[nl.ds(start, self.tile), :])
-        return column
-
     def gather(self, blk):
         """x^T of the block's used token tiles: x's rows gathered by slot (padding slots stay zero)."""
         tile, hidden = self.tile, self.hidden
         for j in nl.dynamic_range(blk.used_tiles):
-            index = self._slot_column(self.slot_token, blk.slot0 + j * tile, nl.int32)
+            index = _slot_column(self.slot_token, blk.slot0 + j * tile, tile, nl.int32)
             rows = nl.ndarray((tile, hidden), self.dtype, buffer=nl.sbuf)
             nisa.memset(dst=rows, value=0.0)
             source = self.x.ap(pattern=[[hidden, tile], [1, hidden]], offset=0, vector_offset=index, indirect_dim=0)
@@ -400,8 +401,8 @@ class _Experts(nl.NKIObject):
         group = _group_size(dtype)  # 128-column transposed tiles per PSUM bank
         for j in nl.dynamic_range(blk.used_tiles):
             start = blk.slot0 + j * tile
-            weight = self._slot_column(self.slot_weight, start, nl.float32)
-            index = self._slot_column(self.slot_row, start, nl.int32)
+            weight = _slot_column(self.slot_weight, start, self.tile, nl.float32)
+            index = _slot_column(self.slot_row, start, self.tile, nl.int32)
             rows = nl.ndarray((tile, hidden), dtype, buffer=nl.sbuf)
             for g0 in range(0, len(h_tiles), group):
                 members = h_tiles[g0 : g0 + group]
@@ -477,14 +478,14 @@ def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight,
     check_tables(
         "moe_experts", (tokens, top_k, experts), (block, num_blocks), block_info, slot_token, slot_row, slot_weight
     )
-    n_part = part_tiles(tile, block, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
+    n_part = part_tiles(block, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
     i_tiles = list(tiles(inter, P))
     parts = [i_tiles[k : k + n_part] for k in range(0, len(i_tiles), n_part)]
     out = nl.ndarray((tokens, hidden), dtype, buffer=nl.shared_hbm)
     rows_out = nl.ndarray((tokens * top_k, hidden), dtype, buffer=nl.hbm)
     partial = nl.ndarray((hidden, block), nl.float32, buffer=nl.hbm) if len(parts) > 1 else None
     experts_run = _Experts(
-        x, w_gate_up, w_down, slot_token, slot_row, slot_weight, rows_out, partial, (tile, block, n_part), activation
+        x, w_gate_up, w_down, slot_token, slot_row, slot_weight, rows_out, partial, (tile, block), activation
     )
     x_t = nl.ndarray((P, ceil_div(hidden, P), block), dtype, buffer=nl.sbuf)
     act_t = nl.ndarray((P, n_part, block), dtype, buffer=nl.sbuf)
@@ -656,7 +657,7 @@ class _Grads(nl.NKIObject):
         self.rows_out, self.d_weight_out, self.dw_gate_up, self.dw_down = outputs
         self.tile, self.block_tiles, self.width, self.ahead = plan
         self.activation = activation
-        self.tokens, self.hidden = x.shape
+        self.hidden = x.shape[1]
         self.inter = w_down.shape[2]
         self.dtype = x.dtype
         self.evictions = _Evictions()
@@ -699,12 +700,6 @@ class _Grads(nl.NKIObject):
                     specs += segments(parts[n + 1], slices[t])
         return _RowStream(self.dtype, blk.expert, specs, 2 * self.ahead if self.ahead else 0)
 
-    def _slot_column(self, table, start, dtype):
-        """table[start : start + tile] as an SBUF [tile, 1] column: one value per partition."""
-        column = nl.ndarray((self.tile, 1), dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=column, src=table[nl.ds(start, self.tile), :])
-        return column
-
     def _gather_rows(self, rows, source, index):
         """rows = source's rows at ``index`` (padding slots, out of bounds, stay zero)."""
         tile, hidden = self.tile, self.hidden
@@ -718,7 +713,7 @@ class _Grads(nl.NKIObject):
         tile, hidden, dtype = self.tile, self.hidden, self.dtype
         for j in nl.dynamic_range(blk.used_tiles):
             start = blk.slot0 + j * tile
-            index = self._slot_column(self.slot_token, start, nl.int32)
+            index = _slot_column(self.slot_token, start, self.tile, nl.int32)
             weight = self.weight[:, nl.ds(j, 1)]
             nisa.dma_copy(dst=weight, src=self.slot_weight[nl.ds(start, tile), :])
             nisa.memset(dst=self.d_weight[:, nl.ds(j, 1)], value=0.0)
@@ -893,7 +888,7 @@ class _Grads(nl.NKIObject):
         gradients to theirs."""
         tile, hidden = self.tile, self.hidden
         for j in nl.dynamic_range(blk.used_tiles):
-            index = self._slot_column(self.slot_row, blk.slot0 + j * tile, nl.int32)
+            index = _slot_column(self.slot_row, blk.slot0 + j * tile, tile, nl.int32)
             rows = nl.ndarray((tile, hidden), self.dtype, buffer=nl.sbuf)
             self.evictions.evict(rows, self.dx_sums[:, nl.ds(j * hidden, hidden)])
             target = self.rows_out.ap(
