@@ -6,6 +6,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+# How a case was simulated (``Record.simulation``).
+TRACE_ONLY = "trace-only"
+CHECKED = "trace-only, checked against a full simulation"
+
 
 class NkiKernel(Protocol):
     """An ``@nki.jit`` kernel (the simulator's or real NKI's): called to launch it, indexed by an SPMD
@@ -72,7 +76,7 @@ class Record:
     reference_measured_us: float | None = None
     # How the case was simulated: "trace-only" (the engines' arithmetic skipped; the cost model
     # reads only the trace), or also in full with the traces checked identical (--check-numerics).
-    simulation: str = "trace-only"
+    simulation: str = TRACE_ONLY
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -17,7 +17,7 @@ import numpy as np
 from .. import cost, sim
 from ..sim.dtypes import numpy_to_torch
 from ..sim.trace import Trace
-from .case import Case, Record
+from .case import CHECKED, TRACE_ONLY, Case, Record
 
 NEURON_DEVICE = "neuron"
 
@@ -77,10 +77,6 @@ def device_calls(case: Case, inputs: tuple, device: str) -> tuple[Callable[[], A
 def _measure(case: Case, inputs: tuple) -> tuple[float, float]:
     kernel, reference = device_calls(case, inputs, NEURON_DEVICE)
     return _time_on_device(kernel), _time_on_device(reference)
-
-
-TRACE_ONLY = "trace-only"
-CHECKED = "trace-only, checked against a full simulation"
 
 
 class TraceMismatch(AssertionError):

@@ -39,7 +39,7 @@ from .mx import nc_matmul_mx, quantize_mx
 from .ops import ALL as _OPS
 from .ops import BYPASS, Op, as_activation, as_alu
 from .prng import rand_get_state, rand_set_state
-from .tensor import Tensor
+from .tensor import Tensor, innermost_run
 from .trace import Instruction
 
 __all__ = [
@@ -162,15 +162,7 @@ def _contiguous_bytes(t: Tensor) -> int:
     gather/scatter, the run within one indexed row)."""
     if t._indirect is not None:
         return t._indirect.contiguous_elements() * dtypes.itemsize(t.dtype)
-    view = t._view
-    run = view.itemsize
-    for n, s in zip(reversed(view.shape), reversed(view.strides)):
-        if n == 1:
-            continue
-        if s != run:
-            break
-        run *= n
-    return run
+    return innermost_run(t._view.shape, t._view.strides, t._view.itemsize)
 
 
 def dma_copy(

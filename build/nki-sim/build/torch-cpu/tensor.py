@@ -34,6 +34,19 @@ class DynSlice:
         return slice(self.start, self.start + (self.size - 1) * self.step + 1, self.step)
 
 
+def innermost_run(shape: Sequence[int], strides: Sequence[int], unit: int) -> int:
+    """The innermost contiguous run of an access pattern, in the strides' units (``unit`` per element):
+    its trailing dims while each steps exactly over the ones inside it (size-1 dims skipped)."""
+    run = unit
+    for n, stride in zip(reversed(shape), reversed(strides)):
+        if n == 1:
+            continue
+        if stride != run:
+            break
+        run *= n
+    return run
+
+
 @dataclass(frozen=True)
 class Indirect:
     """An ``.ap(..., vector_offset=...)`` gather/scatter.
@@ -51,14 +64,7 @@ class Indirect:
     def contiguous_elements(self) -> int:
         """Elements in the innermost contiguous run of the access (inside one indexed row: a run never
         continues across the indirect dim, whose rows land anywhere)."""
-        run = 1
-        for d in range(len(self.nums) - 1, self.dim, -1):
-            if self.nums[d] == 1:
-                continue
-            if self.steps[d] != run:
-                break
-            run *= self.nums[d]
-        return run
+        return innermost_run(self.nums[self.dim + 1 :], self.steps[self.dim + 1 :], 1)
 
     def flat_offsets(self, size: int, instruction: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray]:
         """Offsets into the flattened allocation and a mask of the in-bounds ones."""
