@@ -44,11 +44,16 @@ SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and c
 # passes 1 cycle each at 1.2 GHz, so moving f of the columns balances 1 + f against (2 - f) * 0.8:
 # f = 1/3 on Trn2's clocks (AWS's documented per-instruction costs, docs/hardware.md).
 CENTRED_SHARE = (1, 3)
-# In the backward's pass 2, the share of each chunk's columns whose affine term k1 x + k0 VectorE forms
-# (ScalarE forms the rest; GpSimd adds g * rstd to all): pass 1 leaves ScalarE with two passes and
-# VectorE with two one-cycle ones at a lower clock, so VectorE takes 3/8 (chosen by modelling 2/8 ..
-# 4/8 on Trn2: 3/8 was the fastest).
-DX_ON_VECTOR = (3, 8)
+# The backward's per-element passes, spread so that VectorE (one cycle per element at 0.96 GHz on Trn2),
+# ScalarE and GpSimd (one cycle at 1.2 GHz) are equally busy (AWS's documented per-instruction costs and
+# clocks, docs/hardware.md). VectorE always forms p, ScalarE always the two sums, GpSimd always p * w and
+# dx's final add; g = dy * w and dx's affine term k1 x + k0 are split by column. With a of g's columns on
+# GpSimd and b of the affine's on VectorE, the engines' passes are (1 - a) + 1 + b at 1.04 ns,
+# 2 + (1 - b) at 0.83 ns plus the reductions' overhead, and a + 2 at 0.83 ns: equal at a = 0.59,
+# b = 0.65, taken as 5/8 each. Modelled on Trn2 at 4096 x 4096, shares 9/16 .. 11/16 each stay within 2%
+# of it (README, LayerNorm).
+G_ON_GPSIMD = (5, 8)
+DX_ON_VECTOR = (5, 8)
 GROUP = 2  # chunks whose pass-1 temporaries are alive at once in the backward (bounds its SBUF use)
 MIN_HIDDEN = 1
 MAX_HIDDEN = 16384
@@ -283,13 +288,19 @@ class _GradientRows(nl.NKIObject):
         self.rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=self.rstd, src=rstd[r0 : r0 + rows, :])
 
-    def first_pass(self, w, hidden, accumulators):
-        """Pass 1 and the row constants, a group of chunks at a time: VectorE forms g = (dy - 0) * w and
-        p = (x - mean) * dy for the group (its one-cycle subtract-then-multiply form) while TensorE
-        accumulates the parameter gradients, then GpSimd forms p * w, then ScalarE writes g * rstd (kept
-        for pass 2) and sums it and p * w, each chunk's sums in their own column. Issued engine by engine
-        over a group, VectorE never waits on another engine, GpSimd only on VectorE, and ScalarE's passes
-        follow one another."""
+    def first_pass(self, w, hidden, accumulators, previous=None, dx=None):
+        """Pass 1 and the row constants, a group of chunks at a time: VectorE forms g = (dy - 0) * w (GpSimd
+        the last G_ON_GPSIMD of each chunk's columns, as a plain product) and p = (x - mean) * dy (its
+        one-cycle subtract-then-multiply form) while TensorE accumulates the parameter gradients, then
+        GpSimd forms p * w, then ScalarE writes g * rstd (kept for pass 2) and sums it and p * w, each
+        chunk's sums in their own column.
+
+        ``previous`` (another ``_GradientRows``, whose pass 1 is issued) has its pass 2 into ``dx`` issued
+        after the first group's products and before their sums. Each engine's queue then finds its inputs
+        ready in order: ScalarE forms the previous tile's affine term while VectorE and GpSimd form this
+        tile's products, and GpSimd adds the previous tile's dx while ScalarE sums this tile's. (Issued
+        after this tile's sums instead, GpSimd's share of the next tile's g would queue behind that add,
+        and ScalarE would idle waiting for it.)"""
         rows, r, m, n = self.rows, self.rstd, self.mean, len(self.chunks)
         sums = nl.ndarray((rows, 2, n), nl.float32, buffer=nl.sbuf)  # per chunk: sum(g * rstd), sum(p * w)
         self.scaled_g = []
@@ -305,14 +316,24 @@ class _GradientRows(nl.NKIObject):
                 g = dy_chunk
                 if w is not None:
                     g = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
-                    nisa.scalar_tensor_tensor(
-                        dst=g,
-                        data=dy_chunk,
-                        op0=nl.subtract,
-                        operand0=0.0,
-                        op1=nl.multiply,
-                        operand1=w[:rows, c0 : c0 + c],
-                    )
+                    split = c - _even(c * G_ON_GPSIMD[0] // G_ON_GPSIMD[1])
+                    if split:
+                        nisa.scalar_tensor_tensor(
+                            dst=g[:, :split],
+                            data=dy_chunk[:, :split],
+                            op0=nl.subtract,
+                            operand0=0.0,
+                            op1=nl.multiply,
+                            operand1=w[:rows, c0 : c0 + split],
+                        )
+                    if split < c:
+                        nisa.tensor_tensor(
+                            dst=g[:, split:],
+                            data1=dy_chunk[:, split:],
+                            data2=w[:rows, c0 + split : c0 + c],
+                            op=nl.multiply,
+                            engine=nisa.engine.gpsimd,
+                        )
                 p = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)  # (x - mean) * dy = dy * n / rstd
                 nisa.scalar_tensor_tensor(
                     dst=p,
@@ -334,6 +355,8 @@ class _GradientRows(nl.NKIObject):
                         dst=pw, data1=p, data2=w[:rows, c0 : c0 + c], op=nl.multiply, engine=nisa.engine.gpsimd
                     )
                     pws.append(pw)
+            if first == 0 and previous is not None:
+                previous.finish(dx)
             for i, g in enumerate(gs, first):
                 self.scaled_g.append(_summed(g, r, sums[:, 0, i : i + 1], nl.float32))
             for i, pw in enumerate(pws, first):
@@ -461,15 +484,16 @@ def layernorm_bwd(dy, x, weight, mean, rstd):
         dbias are computed whether or not the module has them; they cost TensorE time only).
 
     Engine plan, per row tile, in two passes over its chunks
-        Pass 1 (``_GradientRows.first_pass``): VectorE forms g = (dy - 0) * weight and
-        p = (x - mean) * dy (the documented one-cycle subtract-then-multiply form); TensorE accumulates
-        the weight and bias gradients (``_ParameterGradients``); GpSimd forms p * weight; ScalarE writes
-        g * rstd (kept for pass 2) while summing it, and sums p * weight: sum(g * n) = rstd * sum(p * w).
+        Pass 1 (``_GradientRows.first_pass``): VectorE forms g = (dy - 0) * weight (GpSimd
+        G_ON_GPSIMD of the columns) and p = (x - mean) * dy (the documented one-cycle
+        subtract-then-multiply form); TensorE accumulates the weight and bias gradients
+        (``_ParameterGradients``); GpSimd forms p * weight; ScalarE writes g * rstd (kept for pass 2)
+        while summing it, and sums p * weight: sum(g * n) = rstd * sum(p * w).
         Pass 2 (``_GradientRows.finish``): ScalarE forms k1 * x + k0 (VectorE for DX_ON_VECTOR of the
         columns), GpSimd adds g * rstd.
         Where SBUF holds three row tiles (``_BackwardPlan``), the next tile loads while this one works and
-        a tile's pass 2 follows the next tile's pass 1, so each engine's in-order queue has work whose
-        inputs are ready; otherwise tiles go one at a time with dy streamed chunk by chunk.
+        a tile's pass 2 is issued inside the next tile's pass 1, so each engine's in-order queue has work
+        whose inputs are ready; otherwise tiles go one at a time with dy streamed chunk by chunk.
     """
     check_shapes(
         x.shape, x.dtype, None if weight is None else weight.shape, None if weight is None else weight.dtype, None, None
@@ -490,16 +514,15 @@ def layernorm_bwd(dy, x, weight, mean, rstd):
     else:
         # The next tile is loaded before this one's work is issued, into its own buffers (dx is written
         # over x, so a load into a reused buffer would wait for this tile's last instruction), and a
-        # tile's pass 2 follows the next tile's pass 1, so VectorE's share of pass 2 (which waits for
-        # ScalarE's constants) never holds up VectorE's pass 1, which every other engine waits for.
+        # tile's pass 2 is issued within the next tile's pass 1 (after its first products), so VectorE's
+        # share of pass 2 (which waits for ScalarE's constants) never holds up VectorE's pass 1, which
+        # every other engine waits for.
         loaded = _GradientRows(dy, x, mean, rstd, *row_tiles[0], plan)
         previous = None
         for following in row_tiles[1:] + [None]:
             current = loaded
             loaded = None if following is None else _GradientRows(dy, x, mean, rstd, *following, plan)
-            current.first_pass(w, hidden, accumulators)
-            if previous is not None:
-                previous.finish(dx)
+            current.first_pass(w, hidden, accumulators, previous, dx)
             previous = current
         previous.finish(dx)
     accumulators.store(dweight, dbias)
