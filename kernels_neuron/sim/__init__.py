@@ -40,6 +40,7 @@ import sys
 from . import isa, language
 from .errors import (
     AccumulateUninitializedWarning,
+    AliasingError,
     CapacityError,
     CapacityWarning,
     NkiValidationError,
@@ -70,6 +71,7 @@ __all__ = [
     "NkiValidationError",
     "CapacityError",
     "CapacityWarning",
+    "AliasingError",
     "AccumulateUninitializedWarning",
     "SimulatorUnsupported",
     "UncomputedValueError",

@@ -209,6 +209,7 @@ def launch(
             hbm_kwargs = {k: _to_hbm(rt, v, k) for k, v in kwargs.items()}
             arguments.extend(t._buf for t in _tensors(hbm_args) + _tensors(list(hbm_kwargs.values())))
             returned = kernel.func(*hbm_args, **hbm_kwargs)
+            rt.memory.finish()
             outputs[0] = _from_hbm(returned, torch_in) if numerics else None
 
     every_program = list(np.ndindex(*grid))

@@ -238,13 +238,31 @@ def ndarray(
 ) -> Tensor:
     """A new tensor of ``shape``/``dtype`` in ``buffer`` (SBUF by default), uninitialized (NaN).
 
-    ``address`` (a compiler placement hint) is accepted and ignored: the simulator allocates
-    every tensor separately.
+    ``address=(partition_offset, free_offset)`` places an SBUF or PSUM tile at that partition and byte
+    of the core's memory instead of leaving it to the compiler: tiles whose addresses overlap share
+    those bytes (the trace records the physical regions, so their hazards order the schedule), count
+    once towards capacity, and a tile that reads bytes another tile has written over raises
+    ``AliasingError``.
     """
     buffer = sbuf if buffer is None else buffer
     name = name or ""
     shape = _check_alloc(shape, buffer, "nl.ndarray")
-    return Tensor(runtime.current().allocate(shape, dtypes.canonical(dtype), buffer, name))
+    placed = None if address is None else _check_address(address, buffer)
+    return Tensor(runtime.current().allocate(shape, dtypes.canonical(dtype), buffer, name, address=placed))
+
+
+def _check_address(address: Any, buffer: str) -> tuple[int, int]:
+    if buffer not in runtime.ON_CHIP:
+        raise rule("nl.ndarray", "address", "only SBUF and PSUM tiles take an address", buffer=buffer)
+    if (
+        not isinstance(address, (tuple, list))
+        or len(address) != 2
+        or not builtins.all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) and a >= 0 for a in address)
+    ):
+        raise rule(
+            "nl.ndarray", "address", "must be (partition_offset, free_offset), two non-negative ints", address=address
+        )
+    return int(address[0]), int(address[1])
 
 
 def _filled(shape: Sequence[int], value: Any, dtype: Any, buffer: str | None, name: str, what: str) -> Tensor:

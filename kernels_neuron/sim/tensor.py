@@ -17,7 +17,8 @@ from numpy.lib.stride_tricks import as_strided
 
 from . import dtypes, frontend, runtime
 from .errors import NkiValidationError, SimulatorUnsupported, UncomputedValueError, rule
-from .runtime import PSUM_BY_OTHER, PSUM_UNWRITTEN, Buffer, region_of
+from .memory import region_of
+from .runtime import PSUM_BY_OTHER, PSUM_UNWRITTEN, Buffer
 from .trace import Region
 
 

@@ -11,7 +11,7 @@ LAYERS = [
     {"jit", "language", "isa", "nki_typing", "gpsimd", "prng", "mx", "cores"},
     {"operands", "enums"},
     {"tensor", "ops"},
-    {"runtime", "trace", "targets"},
+    {"runtime", "memory", "trace", "targets"},
     {"errors", "dtypes", "frontend"},
 ]
 SIM_DIR = Path(sim.__file__).parent

@@ -17,6 +17,11 @@ class CapacityError(NkiValidationError):
     """Live SBUF or PSUM tensors need more bytes per partition than the target has."""
 
 
+class AliasingError(NkiValidationError):
+    """A tile placed at an explicit address (``nl.ndarray(address=...)``) reads bytes another tile
+    placed over it has written since: on hardware it would read that tile's data."""
+
+
 class CapacityWarning(UserWarning):
     """Like :class:`CapacityError`, raised as a warning when the kernel asked for warnings."""
 

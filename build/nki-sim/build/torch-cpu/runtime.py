@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import threading
-import warnings
-import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import dtypes
-from .errors import CapacityError, CapacityWarning, NoActiveKernel
+from .errors import NoActiveKernel
+from .memory import ON_CHIP, OnChipMemory, Placement, TileUsage
 from .targets import Target
-from .trace import Instruction, Operand, Region, Trace
+from .trace import Instruction, Operand, Trace
 
 if TYPE_CHECKING:
     from .tensor import Tensor
 
-ON_CHIP = ("sbuf", "psum")
 # What last wrote each PSUM element: nc_matmul tells overwrite from accumulate by it, and
 # NeuronCore-v2/v3 cannot accumulate onto a value written by another instruction.
 PSUM_UNWRITTEN, PSUM_BY_MATMUL, PSUM_BY_OTHER = 0, 1, 2
@@ -26,7 +24,10 @@ HBM_KINDS = ("hbm", "shared_hbm", "private_hbm")
 
 
 class Buffer:
-    """One allocation: its storage, where it lives, and (for PSUM) which elements were written."""
+    """One allocation: its storage, where it lives, and (for PSUM) which elements were written.
+
+    A tile placed with an explicit address keeps its own storage, but its regions (for the trace and
+    the hardware rules) are those of the physical memory, so tiles sharing an address alias there."""
 
     __slots__ = (
         "id",
@@ -39,6 +40,9 @@ class Buffer:
         "partition_bytes",
         "written",
         "origin",
+        "placement",
+        "written_bytes",
+        "usage",
         "__weakref__",
     )
 
@@ -56,6 +60,10 @@ class Buffer:
         self.written = np.zeros(data.shape, dtype=np.uint8) if kind == "psum" else None
         # Set by nl.matmul so that ``psum_tile += nl.matmul(...)`` can accumulate in place.
         self.origin: tuple | None = None
+        self.placement: Placement | None = None
+        # For a placed tile: which of its bytes it has written (see memory.OnChipMemory).
+        self.written_bytes: np.ndarray | None = None
+        self.usage: TileUsage | None = None  # an on-chip tile's span of instructions (memory.py)
 
 
 class Run:
@@ -83,8 +91,8 @@ class Run:
         self.grid = grid
         self.explicit_grid = explicit_grid  # launched as kernel[grid] (so nl.program_ndim counts it)
         self.trace = trace if trace is not None else Trace(target.name)
-        self._live = {"sbuf": 0, "psum": 0}
         self._next_id = 0
+        self.memory = OnChipMemory(target, self.trace, capacity, self._new_id)
         self._shared = shared if shared is not None else {}
         self._shared_seq = 0
         self.seed = seed
@@ -107,8 +115,15 @@ class Run:
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(
-        self, shape: tuple[int, ...], dtype: dtypes.DType, kind: str, name: str = "", fill: Any = None
+        self,
+        shape: tuple[int, ...],
+        dtype: dtypes.DType,
+        kind: str,
+        name: str = "",
+        fill: Any = None,
+        address: tuple[int, int] | None = None,
     ) -> Buffer:
+        """A new buffer; ``address`` (partition, byte) places an on-chip tile in physical memory."""
         storage = dtypes.storage(dtype)
         if kind == "shared_hbm" and self.grid != (1,):
             # All SPMD programs see one shared_hbm tensor per allocation site (in program order).
@@ -124,8 +139,7 @@ class Run:
         if kind == "shared_hbm" and self.grid != (1,):
             self._shared[seq] = buf
         if buf.on_chip:
-            self._acquire(kind, buf.partition_bytes, name or f"{kind} tensor {shape}")
-            weakref.finalize(buf, self._release, kind, buf.partition_bytes)
+            self.memory.allocate(buf, address, f"{name or kind + ' tensor'} {shape}")
         return buf
 
     def wrap_hbm(self, array: np.ndarray, name: str) -> Buffer:
@@ -144,28 +158,6 @@ class Run:
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id
-
-    def _acquire(self, kind: str, nbytes: int, what: str) -> None:
-        self._live[kind] += nbytes
-        live = self._live[kind]
-        if kind == "sbuf":
-            self.trace.sbuf_peak_bytes = max(self.trace.sbuf_peak_bytes, live)
-            limit = self.target.sbuf_bytes_per_partition
-        else:
-            self.trace.psum_peak_bytes = max(self.trace.psum_peak_bytes, live)
-            limit = self.target.psum_bytes_per_partition
-        if live > limit:
-            message = (
-                f"nl.ndarray: {what}: live {kind.upper()} would be {live:,} bytes per partition, "
-                f"over the {limit:,}-byte capacity of {self.target.name}"
-            )
-            if self.capacity == "error":
-                self._live[kind] -= nbytes
-                raise CapacityError(message)
-            warnings.warn(message, CapacityWarning, stacklevel=4)
-
-    def _release(self, kind: str, nbytes: int) -> None:
-        self._live[kind] -= nbytes
 
     # -- tracing ----------------------------------------------------------------------------
     def record(
@@ -186,6 +178,7 @@ class Run:
             # (the instructions that still run their arithmetic in a trace-only run rely on this).
             for _, t in writes:
                 self.mark_uncomputed(t._buf)
+        self.memory.touch(op, reads, writes, len(self.trace.instructions))
         operands = tuple(Operand(role, t.shape, dtypes.name(t.dtype), t.buffer) for role, t in writes + reads)
         partitions = free = 0
         for _, t in writes + reads:
@@ -244,27 +237,3 @@ class activate:
 
     def __exit__(self, *exc: object) -> None:
         _state.run = self.previous
-
-
-def region_of(buf: Buffer, view: np.ndarray) -> Region:
-    """The partition/byte box ``view`` touches inside ``buf``."""
-    base = buf.data.__array_interface__["data"][0]
-    start = view.__array_interface__["data"][0] - base
-    lo = hi = start
-    for n, s in zip(view.shape, view.strides):
-        if n == 0:
-            return Region(buf.id, 0, 0, 0, 0)
-        span = (n - 1) * s
-        lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
-    hi += view.itemsize
-    if not buf.on_chip:
-        return Region(buf.id, 0, 1, lo, hi)
-    row = buf.partition_bytes
-    p0, p1 = lo // row, (hi - 1) // row + 1
-    if p1 - p0 == 1:
-        return Region(buf.id, p0, p1, lo - p0 * row, hi - p0 * row)
-    free_lo, free_hi = start % row, start % row + view.itemsize
-    for n, s in zip(view.shape[1:], view.strides[1:]):
-        span = (n - 1) * s
-        free_lo, free_hi = (free_lo + span, free_hi) if span < 0 else (free_lo, free_hi + span)
-    return Region(buf.id, p0, p1, max(free_lo, 0), min(free_hi, row))
