@@ -160,7 +160,7 @@ class OnChipMemory:
                 shown = ", ".join(f"{u.label} {u.nbytes:,} B" for u in live[:4])
                 more = f" and {len(live) - 4} more" if len(live) > 4 else ""
                 self._over(
-                    f"nl.ndarray: live {kind.upper()} peaks at {peak:,} bytes per partition at instruction {at}, "
+                    f"nki.jit: live {kind.upper()} peaks at {peak:,} bytes per partition at instruction {at}, "
                     f"over the {limit:,}-byte capacity of {self.target.name}; live there: {shown}{more}",
                     kind,
                     peak,
