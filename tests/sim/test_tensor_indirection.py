@@ -194,6 +194,14 @@ def _run(body, target="trn3"):
     return sim.run(kernel, target=target)
 
 
+def _mx_through_one_index(**tiling):
+    """nc_matmul_mx with stationary and its scale indirect through the same index (the legal pairing)."""
+    index = idx(32)
+    data = nl.zeros((32, 8), nl.uint32).view(nl.float8_e5m2_x4)
+    scale = nl.zeros((32, 8), nl.uint8)
+    nisa.nc_matmul_mx(ps((8, 8)), data.indirect(index, 8), data, scale.indirect(index, 8), scale, **tiling)
+
+
 RULES = {
     "trn2": (
         lambda: nisa.tensor_copy(sb((16, 8)), sb((16, 8)).indirect(idx(16), 8)),
@@ -288,6 +296,14 @@ RULES = {
         r"nisa\.tensor_copy: src index: tensor-indirection offset outside the data view's free dims "
         r"\(offsets=\[4\], free_elements=4\)",
     ),
+    "index-in-psum": (
+        lambda: sb((16, 8)).indirect(ps((16, 1), nl.uint16), 8),
+        r"indirect: index: must be an SBUF tensor of free-dim offsets",
+    ),
+    "mx-tiling": (
+        lambda: _mx_through_one_index(tile_position=(32, 0), tile_size=(32, 128)),
+        r"nisa\.nc_matmul_mx: tile_position: must be \(0, 0\) or unset with tensor indirection",
+    ),
     "index-dtype": (
         lambda: sb((16, 8)).indirect(sb((16, 1), nl.int32), 8),
         r"indirect: index: offsets must be uint16 \(dtype=int32\)",
@@ -318,6 +334,7 @@ def test_legal_placements_run():
         nisa.tensor_copy(sb((32, 8)), sb((64, 8))[32:64].indirect(idx(64)[32:64], 8))
         nisa.tensor_scalar(sb((32, 8)).indirect(idx(32), 8), sb((32, 8)), nl.add, 1.0)
         nisa.tensor_copy(ps((16, 8)).indirect(idx(16), 8), sb((16, 8)), engine=nisa.engine.vector)
+        _mx_through_one_index(tile_position=(0, 0), tile_size=(32, 128))
 
     _run(body)
 
