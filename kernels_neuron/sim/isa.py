@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes, operands, prng, runtime
+from . import dtypes, indirection, operands, prng, runtime
 from . import enums as constants  # noqa: F401  (nki.isa.constants: the enums, as nki-library imports them)
 from .cores import core_barrier, sendrecv
 from .enums import (  # noqa: F401
@@ -358,7 +358,8 @@ def tensor_copy(dst: Tensor, src: Tensor, engine: engine = engine.unknown, name:
         )
     dst, src = operands.compute_tile(dst, instr, "dst", eng), operands.compute_tile(src, instr, "src", eng)
     operands.same_layout(instr, "dst", dst, "src", src)
-    if run.numerics or run.computed(src._buf):  # exact (see dma_copy); compute tiles are never indirect
+    indirection.check_lanes(instr, dst, "src", src)
+    if run.numerics or run.computed(src._buf):  # exact (see dma_copy)
         values = np.asarray(src.read())
         if src.dtype != dst.dtype:
             # Differing dtypes convert through an fp32 intermediate (ints too: 2**24 + 1 is lost, and
@@ -393,6 +394,7 @@ def tensor_copy_predicated(
     if dtypes.name(predicate.dtype) not in ("uint8", "uint16", "uint32"):  # the docstring's constraint 2
         raise rule(instr, "predicate", "must be uint8, uint16 or uint32", dtype=dtypes.name(predicate.dtype))
     operands.same_layout(instr, "dst", dst, "predicate", predicate)
+    indirection.check_lanes(instr, dst, "predicate", predicate)
     if isinstance(src, Tensor):
         src = operands.compute_tile(src, instr, "src", "vector")
         operands.same_layout(instr, "dst", dst, "src", src)
@@ -546,6 +548,8 @@ def nc_matmul(
             target=target.name,
         )
     row_size, _ = _check_tiling(instr, tile_position, tile_size, target.generation, k, m)
+    if indirection.uses_indirection(dst, stationary, moving):
+        _check_matmul_indirection(instr, dst, stationary, moving, is_transpose, tile_position)
     if dst.partition_size != m or dst.free_size != n:
         raise rule(instr, "dst", "shape must be [stationary free, moving free]", dst=list(dst.shape), expected=[m, n])
     region = dst.region()
@@ -605,6 +609,16 @@ def nc_matmul(
         row_size=row_size,
         transpose=bool(is_transpose),
     )
+
+
+def _check_matmul_indirection(
+    instr: str, dst: Tensor, stationary: Tensor, moving: Tensor, is_transpose: bool, tile_position: Sequence[Any]
+) -> None:
+    """nc_matmul's "Tensor indirection" paragraph, beyond the per-operand rules of ``indirection.bind``."""
+    if is_transpose and moving._columns is not None:
+        raise rule(instr, "moving", "cannot use tensor indirection when is_transpose=True")
+    indirection.check_untiled(instr, tile_position)
+    indirection.check_lanes(instr, dst, "stationary", stationary)
 
 
 def _double_row_pairs(values: np.ndarray, k: int) -> np.ndarray:
@@ -728,6 +742,7 @@ def tensor_tensor(
     operands.same_layout(instr, "data1", data1, "data2", data2)
     operands.same_layout(instr, "dst", dst, "data1", data1)
     operands.not_both_psum(instr, "data1", data1, "data2", data2)
+    indirection.check_lanes(instr, dst, "data1", data1)
     _check_bitvec(instr, [alu], {"data1": data1, "data2": data2, "dst": dst})
     run = runtime.current()
     if not run.numerics:
@@ -790,6 +805,7 @@ def tensor_scalar(
     dst = operands.compute_tile(dst, instr, "dst", eng)
     data = operands.compute_tile(data, instr, "data", eng)
     operands.same_layout(instr, "dst", dst, "data", data)
+    indirection.check_lanes(instr, dst, "data", data)
     ops = [first] + ([second] if second else [])
     _check_bitvec(instr, ops, {"data": data, "dst": dst})
     if first.kind != "bitvec":
@@ -933,6 +949,7 @@ def tensor_reduce(
     if alu.name not in LEGAL_REDUCE_OPS:
         raise rule(instr, "op", "not a legal reduction operator", op=alu.name, legal="/".join(sorted(LEGAL_REDUCE_OPS)))
     dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
+    indirection.check_lanes(instr, dst, "data", data)
     axes = tuple(sorted(int(a) % data.ndim for a in (axis if isinstance(axis, (list, tuple)) else [axis])))
     if 0 in axes:
         raise rule(instr, "axis", "the partition axis (0) cannot be reduced; transpose or use a matmul", axis=axes)
@@ -1044,6 +1061,7 @@ def tensor_scalar_reduce(
         raise rule(instr, "op0", "bitvec operators are not supported here", op=first.name)
     dst, data = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(data, instr, "data", "vector")
     operands.same_layout(instr, "dst", dst, "data", data)
+    indirection.check_lanes(instr, dst, "data", data)
     parts = data.partition_size
     operand0 = 0.0 if operand0 is None else operand0
     operands.check_scalar_or_vector(operand0, instr, "operand0", parts, "vector")
@@ -1140,6 +1158,7 @@ def tensor_scalar_cumulative(
         raise rule(instr, "op1", "must be add, subtract, multiply, maximum or minimum", op=second.name)
     dst, src = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(src, instr, "src", "vector")
     operands.same_layout(instr, "dst", dst, "src", src)
+    indirection.check_lanes(instr, dst, "src", src)
     for role, t in (("src", src), ("dst", dst)):
         if dtypes.name(t.dtype) not in _CUMULATIVE_DTYPES:
             raise rule(
@@ -1225,6 +1244,7 @@ def activation(
     fn = as_activation(op, instr)
     dst, data = operands.compute_tile(dst, instr, "dst", "scalar"), operands.compute_tile(data, instr, "data", "scalar")
     operands.same_layout(instr, "dst", dst, "data", data)
+    indirection.check_lanes(instr, dst, "data", data)
     values = _activation_values(instr, fn, data, bias, scale)
     _write_activation(dst, values, instr)
     run = runtime.current()
@@ -1274,6 +1294,7 @@ def activation_reduce(
     fn = as_activation(op, instr)
     dst, data = operands.compute_tile(dst, instr, "dst", "scalar"), operands.compute_tile(data, instr, "data", "scalar")
     operands.same_layout(instr, "dst", dst, "data", data)
+    indirection.check_lanes(instr, dst, "data", data)
     values = _activation_values(instr, fn, data, bias, scale)
     _write_activation(dst, values, instr)
     stored = None if values is None else np.asarray(values, dtype=np.float32)  # accumulated before the output cast
@@ -1326,6 +1347,7 @@ def activate2(
         raise rule(instr, "op0/op1", "unsupported operator pair", op0=first.name, op1=second.name)
     dst, data = operands.compute_tile(dst, instr, "dst", "scalar"), operands.compute_tile(data, instr, "data", "scalar")
     operands.same_layout(instr, "dst", dst, "data", data)
+    indirection.check_lanes(instr, dst, "data", data)
     parts = data.partition_size
     x = _alu_apply(
         first, operands.rows(data), operands.scalar_or_vector(imm0, instr, "imm0", parts, "scalar"), reverse0
@@ -1749,6 +1771,7 @@ def exponential(
         raise rule(instr, "target", "exponential needs NeuronCore-v4 (trn3)", target=run.target.name)
     dst, src = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(src, instr, "src", "vector")
     operands.same_layout(instr, "dst", dst, "src", src)
+    indirection.check_lanes(instr, dst, "src", src)
     parts = src.partition_size
     shift = operands.scalar_or_vector(max_value, instr, "max_value", parts, "vector")
     with np.errstate(all="ignore"):

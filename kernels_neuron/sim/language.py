@@ -845,9 +845,43 @@ def expand_dims(x: Tensor, axis: int) -> Tensor:
 
 
 def broadcast_to(x: Tensor, shape: Sequence[int], dtype: Any = None) -> Tensor:
-    if dtype is not None and dtypes.canonical(dtype) != x.dtype:
+    """``x`` broadcast to ``shape`` (same rank, NumPy's rules), cast to ``dtype`` when given.
+
+    Free dims broadcast as a view, which the consuming instruction reads at no cost. A one-partition
+    on-chip tile broadcast over M partitions becomes a new tile, made the way AWS's architecture guide
+    says NKI lowers it: ``nc_matmul(ones[1, M], x, is_stationary_onezero=True)`` on TensorE into PSUM (at
+    most 512 columns a matmul), then a copy into SBUF. (An ISA operand view itself can never broadcast
+    the partition dim; ``NkiTensor.broadcast_to`` refuses it.)
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != x.ndim:
+        raise ValueError(f"nl.broadcast_to: shape {list(shape)} must have the rank of x {list(x.shape)}")
+    if x.on_chip and shape[0] != x.shape[0]:
+        if x.shape[0] != 1:
+            raise ValueError(f"nl.broadcast_to: cannot broadcast {list(x.shape)} to {list(shape)}")
+        x = _broadcast_partitions(x, shape[0], x.dtype if dtype is None else dtype)
+    elif dtype is not None and dtypes.canonical(dtype) != x.dtype:
         x = _to_sbuf(x, dtype)
-    return x.broadcast_to(shape)
+    return x if x.shape == shape else x.broadcast_to(shape)
+
+
+def _broadcast_partitions(x: Tensor, partitions: int, dtype: Any) -> Tensor:
+    """A new SBUF tile with ``x``'s single partition on each of ``partitions`` partitions (TensorE)."""
+    # TensorE multiplies float dtypes (1.0 * x is exact in each); integers go through fp32, exact below 2**24.
+    operand_dtype = x.dtype if dtypes.is_float(x.dtype) else float32
+    if x.buffer != sbuf or x.dtype != operand_dtype or not x.is_contiguous():
+        x = _to_sbuf(x, operand_dtype)  # TensorE reads a contiguous SBUF row
+    row = x.reshape((1, x.free_size))
+    ones_row = ones((1, partitions), operand_dtype, buffer=sbuf)
+    out = ndarray((partitions,) + x.shape[1:], dtype, buffer=sbuf)
+    flat = out.reshape((partitions, x.free_size))
+    step = runtime.current().target.gemm_moving_fmax
+    for start in range(0, x.free_size, step):
+        stop = builtins.min(start + step, x.free_size)
+        product = ndarray((partitions, stop - start), float32, buffer=psum)
+        isa.nc_matmul(product, ones_row, row[:, start:stop], is_stationary_onezero=True, accumulate=False)
+        isa.tensor_copy(flat[:, start:stop], product)
+    return out
 
 
 frontend.register(sys.modules[__name__])

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes, runtime
+from . import dtypes, indirection, runtime
 from .enums import engine
 from .errors import rule
 from .tensor import Tensor
@@ -29,6 +29,7 @@ def tile(x: Any, instr: str, role: str) -> Tensor:
         raise rule(instr, role, f"expected an NKI tensor, got {type(x).__name__}")
     if x._indirect is not None and instr not in ("nisa.dma_copy", "nisa.dma_transpose", "nisa.dma_compute"):
         raise rule(instr, role, "indirect (vector_offset) access patterns are only for DMA instructions")
+    indirection.check_accepted(x, instr, role)
     return x
 
 
@@ -39,8 +40,9 @@ def where(t: Tensor, instr: str, role: str, allowed: Sequence[str]) -> None:
 
 
 def compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str] = ("sbuf", "psum")) -> Tensor:
-    """Checks for an operand a compute engine reads or writes."""
-    t = tile(t, instr, role)
+    """Checks for an operand a compute engine reads or writes (an ``.indirect()`` view comes back bound to
+    the engine's partition groups)."""
+    t = indirection.bind(tile(t, instr, role), instr, role, eng)
     where(t, instr, role, allowed)
     if eng == "gpsimd" and t.buffer == "psum":
         raise rule(instr, role, "the GpSimd engine cannot access PSUM")

@@ -173,6 +173,9 @@ class Run:
     ) -> Instruction:
         reads = [(role, t) for role, t in reads if t is not None]
         writes = [(role, t) for role, t in writes if t is not None]
+        # The offsets of an .indirect() view are an input of the instruction that gathers or scatters with it.
+        indexes = [(f"{role}_index", t._columns.index) for role, t in writes + reads if t._columns is not None]
+        reads += indexes
         if not self.numerics and any(not self.computed(t._buf) for _, t in reads):
             # Whatever an instruction computes from an uncomputed operand is uncomputed too
             # (the instructions that still run their arithmetic in a trace-only run rely on this).
@@ -181,7 +184,7 @@ class Run:
         self.memory.touch(op, reads, writes, len(self.trace.instructions))
         operands = tuple(Operand(role, t.shape, dtypes.name(t.dtype), t.buffer) for role, t in writes + reads)
         partitions = free = 0
-        for _, t in writes + reads:
+        for _, t in writes + reads[: len(reads) - len(indexes)]:  # the widest operand the engine streams
             size = t._view.size
             if size > partitions * free:
                 partitions = t.partition_size

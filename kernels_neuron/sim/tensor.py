@@ -16,7 +16,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import dtypes, frontend, runtime
-from .errors import NkiValidationError, SimulatorUnsupported, UncomputedValueError, rule
+from .errors import NkiValidationError, UncomputedValueError, rule
 from .memory import region_of
 from .runtime import PSUM_BY_OTHER, PSUM_UNWRITTEN, Buffer
 from .trace import Region
@@ -98,11 +98,77 @@ class Indirect:
         return offsets, inside
 
 
+@dataclass(frozen=True)
+class Columns:
+    """A tensor-indirection view, ``base.indirect(index, num_elem)`` (NeuronCore-v4): ``num_elem`` columns of
+    ``base`` chosen at run time by the offsets in ``index``, gathered when an instruction reads the view and
+    scattered when it writes it.
+
+    Offsets count elements along ``base``'s free dims (row-major when it has several). Partitions form groups
+    of ``group`` (16 on Vector/Scalar/GpSimd, 32 on TensorE, fixed by the instruction that takes the view):
+    in the group starting at partition ``s``, column ``i`` is offset ``index[s + i % group, i // group]``
+    (nki.language ``NkiTensor.indirect``; AWS's tensor-indirection tutorial kernel reads a group's rows).
+    """
+
+    base: Tensor
+    index: Tensor
+    num_elem: int
+    instruction: str = ""  # the instruction and operand that bound the view, for error messages
+    role: str = ""
+    group: int = 0  # 0 until an instruction binds the view to its engine
+
+    def offsets(self) -> np.ndarray:
+        """The [partitions, num_elem] free-dim offsets, each checked against ``base``'s free size."""
+        if not self.group:
+            raise rule(
+                "indirect",
+                repr(self.base),
+                "an .indirect() view is resolved by the instruction it is passed to; this one reads it directly",
+            )
+        parts, free = self.base.partition_size, self.base.free_size
+        index = np.asarray(self.index.computed_values(self.instruction, f"{self.role} index"))
+        index = index.reshape(self.index.partition_size, -1).astype(np.int64)
+        column = np.arange(self.num_elem)
+        rows = (np.arange(parts) // self.group * self.group)[:, None] + column % self.group
+        offsets = index[rows, np.broadcast_to(column // self.group, rows.shape)]
+        outside = (offsets < 0) | (offsets >= free)
+        if outside.any():
+            raise rule(
+                self.instruction,
+                f"{self.role} index",
+                "tensor-indirection offset outside the data view's free dims",
+                offsets=sorted(set(offsets[outside].tolist()))[:8],
+                free_elements=free,
+            )
+        return offsets
+
+    def index_known(self) -> bool:
+        """Whether the offsets hold values the run computed (always, unless a trace-only run)."""
+        run = runtime.active()
+        return run is None or run.computed(self.index._buf)
+
+    def gather(self) -> np.ndarray:
+        """The [partitions, num_elem] values the view reads."""
+        parts = self.base.partition_size
+        if not self.index_known():  # a trace-only run: what the instruction computes from them is uncomputed too
+            return np.full(
+                (parts, self.num_elem), dtypes.uninitialized_fill(self.base.dtype), dtypes.storage(self.base.dtype)
+            )
+        values = np.asarray(self.base.read()).reshape(parts, -1)
+        return values[np.arange(parts)[:, None], self.offsets()]
+
+    def targets(self) -> tuple[np.ndarray, ...]:
+        """NumPy indices of the base view's elements the offsets select, [partitions, num_elem] each."""
+        offsets = self.offsets()
+        rows = np.broadcast_to(np.arange(self.base.partition_size)[:, None], offsets.shape)
+        return (rows,) + np.unravel_index(offsets, self.base.shape[1:])
+
+
 class Tensor:
     """A tensor in HBM, SBUF or PSUM, as NKI kernels see it."""
 
     # Views never change after creation, so their region and start partition are cached.
-    __slots__ = ("_buf", "_view", "_dtype", "_indirect", "_region", "_start")
+    __slots__ = ("_buf", "_view", "_dtype", "_indirect", "_columns", "_region", "_start")
 
     def __init__(
         self,
@@ -110,11 +176,13 @@ class Tensor:
         view: np.ndarray | None = None,
         dtype: dtypes.DType | None = None,
         indirect: Indirect | None = None,
+        columns: Columns | None = None,
     ) -> None:
         self._buf = buf
         self._view = buf.data if view is None else view
         self._dtype = buf.dtype if dtype is None else dtype
-        self._indirect = indirect
+        self._indirect = indirect  # a DMA gather/scatter (.ap(vector_offset=...), vector_select)
+        self._columns = columns  # a compute-engine gather/scatter (.indirect(index))
         self._region: Region | None = None
         self._start: int | None = None
 
@@ -174,8 +242,9 @@ class Tensor:
         return True
 
     def is_indirect(self) -> bool:
-        """Whether this is a ``vector_offset`` access whose rows are chosen at run time."""
-        return self._indirect is not None
+        """Whether this view's rows (``vector_offset``, ``vector_select``) or columns (``.indirect()``) are
+        chosen at run time."""
+        return self._indirect is not None or self._columns is not None
 
     @property
     def on_chip(self) -> bool:
@@ -206,6 +275,8 @@ class Tensor:
         if self._region is None:
             if self._indirect is not None:  # rows known only at run time: the whole allocation
                 self._region = Region(self._buf.id, 0, 1, 0, self._buf.data.nbytes)
+            elif self._columns is not None:  # columns known only at run time: the view they are chosen from
+                self._region = self._columns.base.region()
             else:
                 self._region = region_of(self._buf, self._view)
         return self._region
@@ -219,7 +290,9 @@ class Tensor:
 
     # -- values (for the engines) -----------------------------------------------------------
     def read(self) -> np.ndarray:
-        """The stored values (a view; engines widen them before arithmetic)."""
+        """The stored values (a view; engines widen them before arithmetic; gathered for an ``.indirect()`` view)."""
+        if self._columns is not None:
+            return self._columns.gather()
         return self._view
 
     def write(self, values: np.ndarray, instruction: str = "write", psum_writer: int = PSUM_BY_OTHER) -> None:
@@ -234,6 +307,9 @@ class Tensor:
                 dst_shape=self.shape,
                 result_shape=values.shape,
             )
+        if self._columns is not None:
+            self._scatter(values, instruction, psum_writer)
+            return
         if not self._view.flags.writeable:
             raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
         self._view[...] = dtypes.cast(values, self._dtype).reshape(self.shape)
@@ -245,6 +321,20 @@ class Tensor:
         """What :meth:`write` does in a trace-only run (``numerics=False``), where the instruction
         skips its arithmetic: the same checks and PSUM bookkeeping, no values; the buffer is marked
         as holding uncomputed values (reading them while tracing raises ``UncomputedValueError``)."""
+        columns = self._columns
+        if columns is not None:  # the columns it would write, where the offsets are known; else the whole view
+            target = columns.base
+            if not target._view.flags.writeable:
+                raise rule(instruction, "dst", "cannot write through a broadcast view", shape=target.shape)
+            written = target._buf.written
+            if written is not None:
+                marks = target._written_view(written)
+                if columns.index_known():
+                    marks[columns.targets()] = psum_writer
+                else:
+                    marks[...] = psum_writer
+            runtime.current().mark_uncomputed(target._buf)
+            return
         # An indirect access (a scatter) is a read-only shape view on purpose; it writes HBM, which keeps
         # no PSUM bookkeeping.
         if self._indirect is None and not self._view.flags.writeable:
@@ -269,6 +359,23 @@ class Tensor:
     def _written_view(self, written: np.ndarray) -> np.ndarray:
         return _same_view(written, self._buf.data, self._view)
 
+    def _scatter(self, values: np.ndarray, instruction: str, psum_writer: int) -> None:
+        """An ``.indirect()`` view's write: each partition's values land in the columns its offsets name
+        (a later column wins where offsets repeat, as NumPy assigns)."""
+        columns = self._columns
+        assert columns is not None
+        target = columns.base
+        if not target._view.flags.writeable:
+            raise rule(instruction, "dst", "cannot write through a broadcast view", shape=target.shape)
+        if not columns.index_known():  # a trace-only run through offsets it did not compute
+            self.write_uncomputed(instruction, psum_writer)
+            return
+        where = columns.targets()
+        target._view[where] = dtypes.cast(values, self._dtype).reshape(where[0].shape)
+        written = target._buf.written
+        if written is not None:
+            target._written_view(written)[where] = psum_writer
+
     def was_written(self) -> np.ndarray:
         """For PSUM tiles: which elements some instruction has written."""
         return self.psum_writers() != PSUM_UNWRITTEN
@@ -278,17 +385,27 @@ class Tensor:
         written = self._buf.written
         if written is None:
             raise TypeError("only PSUM tensors track writes")
+        columns = self._columns
+        if columns is not None:
+            # The indices are needed even in a trace-only run: whether a matmul accumulates depends on them.
+            return columns.base._written_view(written)[columns.targets()]
         return self._written_view(written)
 
     # -- indexing ---------------------------------------------------------------------------
     def _direct(self, what: str) -> None:
-        """Views of an indirect (vector_offset) access pattern would lose the per-row indices."""
+        """Views of an indirect access would lose its run-time rows or columns."""
         if self._indirect is not None:
             raise rule(
                 what,
                 repr(self),
                 "an indirect (vector_offset) access pattern cannot be viewed further; "
                 "put the whole access in the .ap() pattern",
+            )
+        if self._columns is not None:
+            raise rule(
+                what,
+                repr(self),
+                "an .indirect() view cannot be viewed further; slice or reshape the data view before .indirect()",
             )
 
     def __getitem__(self, key: Any) -> Tensor:
@@ -505,12 +622,40 @@ class Tensor:
         return Tensor(self._buf, shape_only, self._dtype, indirect=indirect)
 
     def indirect(self, index: Tensor, num_elem: int | None = None) -> Tensor:
-        """NeuronCore-v4 tensor indirection (compute engines gathering/scattering free-dim columns):
-        documented, not simulated yet; calling it raises ``SimulatorUnsupported``."""
-        raise SimulatorUnsupported(
-            "NkiTensor.indirect (NeuronCore-v4 tensor indirection) is part of the NKI API but the "
-            "kernels-neuron simulator does not run it; gather with .ap(vector_offset=...) and a DMA instead"
-        )
+        """Tensor indirection (NeuronCore-v4): a ``[P, num_elem]`` view of columns of this SBUF/PSUM view at the
+        free-dim offsets held in ``index`` (an SBUF ``[P, K]`` uint16 tile; ``num_elem`` defaults to its size).
+
+        Passed as an operand that supports it, the instruction gathers the columns (an input) or scatters its
+        result into them (``dst``); which operands, engines and partition placements are allowed is checked
+        there (see ``indirection.py``). See :class:`Columns` for how offsets are read from ``index``.
+        """
+        what = "indirect"
+        self._direct(what)
+        if not self.on_chip:
+            raise rule(
+                what, repr(self), "tensor indirection selects columns of an SBUF or PSUM tensor", buffer=self.buffer
+            )
+        if not isinstance(index, Tensor) or index.buffer != "sbuf":
+            raise rule(what, "index", "must be an SBUF tensor of free-dim offsets", index=repr(index))
+        if index.is_indirect():
+            raise rule(what, "index", "must be a plain SBUF tile, not an indirect view", index=repr(index))
+        if index.ndim != 2 or index.shape[0] != self.shape[0]:
+            raise rule(
+                what,
+                "index",
+                "must have shape (P, K) with P the data's partitions",
+                index=list(index.shape),
+                P=self.shape[0],
+            )
+        if (
+            dtypes.name(index.dtype) != "uint16"
+        ):  # AWS's tensor-indirection deep dive: "an SBUF tensor of uint16 values"
+            raise rule(what, "index", "offsets must be uint16", dtype=dtypes.name(index.dtype))
+        count = index.size if num_elem is None else int(num_elem)
+        if not 1 <= count <= index.size:
+            raise rule(what, "num_elem", "must be between 1 and index.size", num_elem=count, index_size=index.size)
+        shape_only = np.broadcast_to(self._buf.data.reshape(-1)[:1], (self.shape[0], count))
+        return Tensor(self._buf, shape_only, self._dtype, columns=Columns(self, index, count))
 
     def ap(
         self,

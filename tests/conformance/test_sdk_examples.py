@@ -90,22 +90,23 @@ def mamba_reference(delta, u, a, b, c):
 
 
 # mamba_torch.py's accuracy check: batch 1, seq_len 512, channels 256, state 16, fp32; delta, u, B, C
-# ones and A minus ones; torch.allclose(atol=1e-2, rtol=1e-2). The three kernel versions alike.
-@pytest.mark.xfail(
-    strict=True,
-    raises=Exception,
-    reason="rule: nl.broadcast_to refuses to broadcast an SBUF tile's partition dim "
-    "(B_i [1, 512] to [128, 512], mamba_nki_kernels.py:77 in v1); AWS's broadcast_to page lets any "
-    "size-1 dimension broadcast",
-)
+# ones and A minus ones; torch.allclose(atol=1e-2, rtol=1e-2). The three kernel versions alike; and the
+# same shapes with random inputs, where a wrong partition broadcast of B_i / C_i (nl.broadcast_to) shows.
+@pytest.mark.parametrize("inputs", ["ones", "random"])
 @pytest.mark.parametrize("version", ["mamba_v1", "mamba_v2", "mamba_v3"])
-def test_fused_mamba(load_example, version):
+def test_fused_mamba(load_example, version, inputs):
     example = load_example("fused_mamba/mamba_nki_kernels.py")
     batch, seq_len, channels, state_size = 1, 512, 256, 16
-    delta = np.ones((batch, channels, seq_len), np.float32)
-    u = np.ones((batch, channels, seq_len), np.float32)
-    a = -np.ones((channels, state_size), np.float32)
-    b = np.ones((batch, state_size, seq_len), np.float32)
-    c = np.ones((batch, state_size, seq_len), np.float32)
+    if inputs == "ones":
+        delta = np.ones((batch, channels, seq_len), np.float32)
+        u = np.ones((batch, channels, seq_len), np.float32)
+        a = -np.ones((channels, state_size), np.float32)
+        b = np.ones((batch, state_size, seq_len), np.float32)
+        c = np.ones((batch, state_size, seq_len), np.float32)
+    else:
+        rng = np.random.default_rng(0)
+        delta, u = (rng.random((batch, channels, seq_len), np.float32) for _ in range(2))
+        a = -rng.random((channels, state_size), np.float32)
+        b, c = (rng.random((batch, state_size, seq_len), np.float32) for _ in range(2))
     out = getattr(example, version)(delta, u, a, b, c)
     np.testing.assert_allclose(out, mamba_reference(delta, u, a, b, c), atol=1e-2, rtol=1e-2)

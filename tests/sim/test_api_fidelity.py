@@ -296,3 +296,47 @@ def test_a_tensor_compared_with_none_is_a_python_check():
     result = run_body(body, x)
     assert answers == [False, True]
     assert [i.op for i in result.trace] == ["dma_copy", "dma_copy"]
+
+
+# -- nl.broadcast_to over the partition dim ----------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int32])
+def test_broadcast_to_repeats_one_partition_as_a_new_tile(dtype):
+    """nki/api/nki/language ``broadcast_to`` returns "a tile with the target shape containing broadcast
+    values from x"; the architecture guide (trainium_inferentia2_arch.rst, "Partition Broadcast") says NKI
+    makes it with ``nc_matmul(ones, x, is_stationary_onezero=True)``. AWS's mamba tutorial relies on it:
+    ``nl.broadcast_to(B_i, (128, seq_len))`` of a [1, seq_len] SBUF tile. Wider than one matmul (512 columns),
+    and with a free dim broadcast on top."""
+    row = (np.arange(1, 1301).reshape(1, 1300, 1) * 3).astype(dtype)
+
+    def body(x):
+        return nl.broadcast_to(x, (128, 1300, 2))
+
+    result = run_body(body, row)
+    np.testing.assert_array_equal(result.outputs, np.broadcast_to(row, (128, 1300, 2)))
+    matmuls = [i for i in result.trace if i.op == "nc_matmul"]
+    assert [i.attrs["N"] for i in matmuls] == [512, 512, 276] and all(i.attrs["onezero"] for i in matmuls)
+
+
+def test_broadcast_to_casts_to_the_dtype_asked_for():
+    row = np.array([[0.1, 0.2, 0.3]], np.float32)
+
+    def body(x):
+        out = nl.broadcast_to(x, (4, 3), dtype=nl.bfloat16)
+        assert out.dtype == nl.bfloat16 and out.buffer == nl.sbuf
+        return out
+
+    expected = np.broadcast_to(row.astype(ml_dtypes.bfloat16), (4, 3))
+    np.testing.assert_array_equal(run_body(body, row).outputs, expected)
+
+
+def test_an_instruction_operand_still_cannot_broadcast_the_partition_dim():
+    """NkiTensor.broadcast / broadcast_to views: "On-chip tensors: dim must not be 0"; only the language
+    function materialises a partition broadcast."""
+
+    def body(x):
+        return x.broadcast_to((4, 3))
+
+    with pytest.raises(
+        sim.NkiValidationError, match=r"the partition dim \(0\) of an on-chip tensor cannot be broadcast"
+    ):
+        run_body(body, np.ones((1, 3), np.float32))

@@ -9,7 +9,7 @@ from kernels_neuron import sim
 LAYERS = [
     {"__init__", "__main__", "facade", "examples"},
     {"jit", "language", "isa", "nki_typing", "gpsimd", "prng", "mx", "cores"},
-    {"operands", "enums"},
+    {"operands", "indirection", "enums"},
     {"tensor", "ops"},
     {"runtime", "memory", "trace", "targets"},
     {"errors", "dtypes", "frontend"},

@@ -22,7 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import dtypes, operands, runtime
+from . import dtypes, indirection, operands, runtime
 from .errors import rule
 from .tensor import Tensor
 
@@ -62,7 +62,7 @@ def scale_rows(data_partitions: int) -> np.ndarray:
 
 def _scale_view(instr: str, role: str, scale: Tensor, data_partitions: int, columns: int) -> Tensor:
     """Checks of a scale operand: SBUF, e8m0 or uint8 bytes, room for every group's row and column."""
-    scale = operands.tile(scale, instr, role)
+    scale = indirection.bind(operands.tile(scale, instr, role), instr, role, "tensor")
     operands.where(scale, instr, role, ("sbuf",))
     if dtypes.name(scale.dtype) not in _SCALE_DTYPES:
         raise rule(instr, role, "must be float8_e8m0fnu or uint8", dtype=dtypes.name(scale.dtype))
@@ -191,6 +191,8 @@ def nc_matmul_mx(
         raise rule(instr, "dst", "shape must be [stationary free, moving free]", dst=list(dst.shape), expected=[m, n])
     stationary_scale = _scale_view(instr, "stationary_scale", stationary_scale, k, m)
     moving_scale = _scale_view(instr, "moving_scale", moving_scale, k, n)
+    if indirection.uses_indirection(dst, stationary, moving, stationary_scale, moving_scale):
+        _check_mx_indirection(instr, dst, stationary, moving, stationary_scale, moving_scale, tile_position)
     weights = _dequantized(stationary, stationary_scale, k, m)
     inputs = _dequantized(moving, moving_scale, k, n)
     with np.errstate(all="ignore"):
@@ -224,6 +226,32 @@ def nc_matmul_mx(
         N=n,
         row_size=row_size,
     )
+
+
+def _check_mx_indirection(
+    instr: str,
+    dst: Tensor,
+    stationary: Tensor,
+    moving: Tensor,
+    stationary_scale: Tensor,
+    moving_scale: Tensor,
+    tile_position: Sequence[Any] | None,
+) -> None:
+    """nc_matmul_mx's "Tensor indirection" paragraph: data and scales form one logical tensor, so each pair
+    is indirect through the same index or not at all; no TensorE tiling; where a scattered dst's index starts."""
+    for data_role, data, scale_role, scale in (
+        ("stationary", stationary, "stationary_scale", stationary_scale),
+        ("moving", moving, "moving_scale", moving_scale),
+    ):
+        if not indirection.same_index(data, scale):
+            raise rule(
+                instr,
+                f"{data_role}/{scale_role}",
+                "must both use .indirect() with the same index, or neither",
+                **{data_role: data.is_indirect(), scale_role: scale.is_indirect()},
+            )
+    indirection.check_untiled(instr, tile_position)
+    indirection.check_lanes(instr, dst, "stationary", stationary)
 
 
 def _dequantized(data: Tensor, scale: Tensor, parts: int, columns: int) -> np.ndarray:
