@@ -26,6 +26,11 @@ class CapacityWarning(UserWarning):
     """Like :class:`CapacityError`, raised as a warning when the kernel asked for warnings."""
 
 
+class AccumulateOntoNonMatmulWarning(UserWarning):
+    """``nc_matmul`` accumulating onto PSUM that memset, tensor_copy or another non-matmul instruction
+    wrote: undefined on NeuronCore-v2/v3 by AWS's docs, relied on by AWS's trn2 kernels; warned about."""
+
+
 class AccumulateUninitializedWarning(UserWarning):
     """``nc_matmul(accumulate=True)`` onto PSUM no instruction has written: undefined on hardware,
     warned about as AWS's simulator does."""

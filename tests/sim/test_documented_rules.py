@@ -52,15 +52,6 @@ def _shuffle(src_part, dst_part):
     return body
 
 
-def _memset_then_accumulate(accumulate):
-    def body():
-        acc = ps((32, 16))
-        nisa.memset(acc, 0.0)
-        nisa.nc_matmul(acc, sb((64, 32)), sb((64, 16)), accumulate=accumulate)
-
-    return body
-
-
 def _reciprocal(bias):
     def body():
         nisa.activation(sb((8, 4)), nl.reciprocal, sb((8, 4)), bias=None if bias is None else sb((8, 1), value=bias))
@@ -138,22 +129,6 @@ CASES = [
         "trn2",
         r"nisa\.nc_stream_shuffle: src: with 64 active partitions the start partition must be one of \(0, 64\) "
         r"\(start_partition=32, src_partitions=20, dst_partitions=40\)",
-    ),
-    (
-        # nki/api/nki/isa/__init__.py, nc_matmul, Accumulation mode: on NeuronCore-v2/v3 accumulating
-        # onto PSUM initialised by memset/tensor_copy is undefined; accumulate=False starts the group.
-        "matmul-accumulate-onto-memset",
-        _memset_then_accumulate(True),
-        _memset_then_accumulate(False),
-        "trn2",
-        r"nisa\.nc_matmul: dst: accumulating onto PSUM written by a non-matmul instruction .* \(target=trn2\)",
-    ),
-    (
-        "matmul-auto-accumulate-onto-memset-trn1",
-        _memset_then_accumulate(None),
-        _memset_then_accumulate(False),
-        "trn1",
-        r"nisa\.nc_matmul: dst: accumulating onto PSUM written by a non-matmul instruction .* \(target=trn1\)",
     ),
     (
         # nki/api/nki.api.shared.rst, engine selection: activation(op=nl.reciprocal) has no bias on NeuronCore-v2.
@@ -324,6 +299,35 @@ def test_accumulating_onto_unwritten_psum_warns_as_aws_simulator_does():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run_body(group_started)
+
+
+@pytest.mark.parametrize("target, accumulate", [("trn2", True), ("trn1", None)])
+def test_accumulating_onto_memset_psum_on_trn1_trn2_warns_and_accumulates(target, accumulate):
+    """nki/api/nki/isa/__init__.py, nc_matmul, Accumulation mode: on NeuronCore-v2/v3 accumulating onto
+    PSUM initialised by memset/tensor_copy is undefined; AWS's own trn2 kernel (nki-library's
+    attention_bwd) relies on it summing, so the simulator warns and accumulates. accumulate=False
+    starts the group without a warning, and on Trn3 the rule does not apply."""
+
+    def kernel(x, accumulate):
+        out = nl.ndarray((32, 16), nl.float32, buffer=nl.shared_hbm)
+        acc = ps((32, 16))
+        nisa.memset(acc, 1.0)
+        nisa.nc_matmul(acc, sb((64, 32), value=1.0), sb((64, 16), value=1.0), accumulate=accumulate)
+        result = sb((32, 16))
+        nisa.tensor_copy(dst=result, src=acc)
+        nisa.dma_copy(dst=out, src=result)
+        return out
+
+    with pytest.warns(
+        sim.AccumulateOntoNonMatmulWarning,
+        match=rf"nisa\.nc_matmul: dst: accumulating onto PSUM written by a non-matmul .* \(target={target}\)",
+    ):
+        summed = sim.run(kernel, DUMMY, accumulate, target=target).outputs
+    np.testing.assert_array_equal(summed, 65.0)  # the memset's 1 plus 64 products of 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(sim.run(kernel, DUMMY, False, target=target).outputs, 64.0)
+        np.testing.assert_array_equal(sim.run(kernel, DUMMY, accumulate, target="trn3").outputs, 65.0)
 
 
 @pytest.mark.parametrize("key", ["empty", "reversed", "slice-method"])

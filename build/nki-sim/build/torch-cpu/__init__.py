@@ -39,6 +39,7 @@ import sys
 
 from . import isa, language
 from .errors import (
+    AccumulateOntoNonMatmulWarning,
     AccumulateUninitializedWarning,
     AliasingError,
     CapacityError,
@@ -73,6 +74,7 @@ __all__ = [
     "CapacityWarning",
     "AliasingError",
     "AccumulateUninitializedWarning",
+    "AccumulateOntoNonMatmulWarning",
     "SimulatorUnsupported",
     "UncomputedValueError",
     "NoActiveKernel",

@@ -33,7 +33,7 @@ from .enums import (  # noqa: F401
     unknown_engine,
     vector_engine,
 )
-from .errors import AccumulateUninitializedWarning, NkiValidationError, rule
+from .errors import AccumulateOntoNonMatmulWarning, AccumulateUninitializedWarning, NkiValidationError, rule
 from .gpsimd import local_gather, nonzero_with_count, sequence_bounds, topk
 from .mx import nc_matmul_mx, quantize_mx
 from .ops import ALL as _OPS
@@ -636,12 +636,14 @@ def _check_accumulation(instr: str, writers: np.ndarray, explicit: bool, target:
             stacklevel=3,
         )
     if target.generation < 4 and (writers == runtime.PSUM_BY_OTHER).any():
-        raise rule(
-            instr,
-            "dst",
-            "accumulating onto PSUM written by a non-matmul instruction (memset, tensor_copy, ...) is "
-            "undefined on NeuronCore-v2/v3; start the group with accumulate=False",
-            target=target.name,
+        # A warning, not an error: AWS's own trn2 kernel (nki-library's attention_bwd) zeroes PSUM with
+        # memset and accumulates onto it, so the hardware evidently sums; the docs still call it undefined.
+        warnings.warn(
+            f"{instr}: dst: accumulating onto PSUM written by a non-matmul instruction (memset, tensor_copy, "
+            f"...) is undefined on NeuronCore-v2/v3 (target={target.name}); start the group with "
+            "accumulate=False. The simulator accumulates.",
+            AccumulateOntoNonMatmulWarning,
+            stacklevel=3,
         )
 
 
