@@ -45,6 +45,7 @@ def test_suite_cases_name_real_models_and_reference_ops():
             "Command-R",
             "Mixtral-8x7B",
             "Qwen3-30B-A3B",
+            "Falcon-180B",
         }
         assert case.reference_name and callable(case.prepare_reference)
 

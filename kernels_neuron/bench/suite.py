@@ -123,17 +123,18 @@ def rmsnorm_case(name: str, model: str, rows: int, hidden: int, convention: str,
 LAYERNORM_EPS = 1e-5
 
 
-def _layernorm_inputs(rows: int, hidden: int, bias: bool, backward: bool, seed: int) -> tuple:
+def _layernorm_inputs(rows: int, hidden: int, bias: bool, backward: bool, dtype: str, seed: int) -> tuple:
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, hidden)).astype(ml_dtypes.bfloat16)
-    weight = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(ml_dtypes.bfloat16)
-    b = (0.1 * rng.standard_normal(hidden)).astype(ml_dtypes.bfloat16) if bias else None
+    element = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = rng.standard_normal((rows, hidden)).astype(element)
+    weight = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(element)
+    b = (0.1 * rng.standard_normal(hidden)).astype(element) if bias else None
     if not backward:
         return x, weight, b, LAYERNORM_EPS
     x32 = x.astype(np.float32)
     mean = x32.mean(axis=1, keepdims=True)
     rstd = (1.0 / np.sqrt(x32.var(axis=1, keepdims=True) + LAYERNORM_EPS)).astype(np.float32)
-    return rng.standard_normal((rows, hidden)).astype(ml_dtypes.bfloat16), x, weight, mean.astype(np.float32), rstd
+    return rng.standard_normal((rows, hidden)).astype(element), x, weight, mean.astype(np.float32), rstd
 
 
 def _layernorm_forward(x, weight, bias, eps):
@@ -159,14 +160,22 @@ def _layernorm_backward(bias: bool):
 _LAYERNORM_BACKWARDS = {bias: _layernorm_backward(bias) for bias in (False, True)}
 
 
-def layernorm_case(name: str, model: str, rows: int, hidden: int, bias: bool = True, backward: bool = False) -> Case:
+def layernorm_case(
+    name: str,
+    model: str,
+    rows: int,
+    hidden: int,
+    bias: bool = True,
+    backward: bool = False,
+    dtype: str = "bfloat16",
+) -> Case:
     module = "LayerNorm" if bias else "CohereLayerNorm"
     return Case(
         name=name,
         kernel=layernorm_bwd if backward else layernorm_fwd,
-        make_inputs=partial(_layernorm_inputs, rows, hidden, bias, backward),
+        make_inputs=partial(_layernorm_inputs, rows, hidden, bias, backward, dtype),
         shape={"rows": rows, "hidden": hidden, **({} if bias else {"bias": "none"})},
-        dtype="bfloat16",
+        dtype=dtype,
         model=model,
         reference_name=f"{module} {'backward (autograd)' if backward else 'forward'} (torch)",
         prepare_reference=_LAYERNORM_BACKWARDS[bias] if backward else _layernorm_forward,
@@ -638,6 +647,11 @@ CASES: list[Case] = [
     layernorm_case("layernorm-fwd/starcoder2-7b/4096-tokens", "Starcoder2-7B", 4096, 4608),
     layernorm_case("layernorm-fwd/command-r/4096-tokens", "Command-R", 4096, 8192, bias=False),
     layernorm_case("layernorm-bwd/command-r/4096-tokens", "Command-R", 4096, 8192, bias=False, backward=True),
+    # fp32 rows too wide for SBUF (as autocast hands LayerNorm): the kernels stream them through twice.
+    layernorm_case("layernorm-fwd/falcon-180b/fp32-2048-tokens", "Falcon-180B", 2048, 14848, dtype="float32"),
+    layernorm_case(
+        "layernorm-bwd/falcon-180b/fp32-2048-tokens", "Falcon-180B", 2048, 14848, dtype="float32", backward=True
+    ),
     projection_case(
         "matmul-optimised/llama3-8b-q_proj/prefill", fully_optimized, "Llama-3-8B", PREFILL_TOKENS, 4096, 4096
     ),

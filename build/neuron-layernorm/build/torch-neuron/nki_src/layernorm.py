@@ -13,7 +13,8 @@ Dimensions
 Tiling plan
     Rows go 128 to a tile, one row per partition; a tile's rows stay in SBUF while the free dim is
     processed in chunks of at most FREE_CHUNK elements. The weight and bias are broadcast to all 128
-    partitions once per kernel.
+    partitions once per kernel. Rows SBUF cannot hold with their result (``_StreamedRows``; in the
+    backward ``_BackwardPlan.streamed``) stream through twice in chunks of STREAM_CHUNK elements.
 
 Engine plan (forward), per row tile
     VectorE: ``bn_stats`` over 512-element pieces and one ``bn_aggr`` give each row's mean and
@@ -55,8 +56,12 @@ CENTRED_SHARE = (1, 3)
 G_ON_GPSIMD = (5, 8)
 DX_ON_VECTOR = (5, 8)
 GROUP = 2  # chunks whose pass-1 temporaries are alive at once in the backward (bounds its SBUF use)
+# Rows too wide for SBUF to hold (fp32 rows beyond about 10K, any beyond about 16K) stream through in
+# chunks of STREAM_CHUNK columns, STREAM_BUFFERS of them in flight (double buffering).
+STREAM_CHUNK = 1024
+STREAM_BUFFERS = 2
 MIN_HIDDEN = 1
-MAX_HIDDEN = 16384
+MAX_HIDDEN = 32768
 # SBUF per partition on trn1, the smallest target (docs/hardware.md): the op and the layers accept a
 # hidden size only where the kernels fit it on every target.
 SMALLEST_SBUF_BYTES = 192 * 1024
@@ -69,12 +74,26 @@ def forward_bytes(hidden, x_size, weight_size, bias_size):
     return hidden * (2 * x_size + weight_size + bias_size) + min(hidden, FREE_CHUNK) * 4 * 3 + SBUF_RESERVE
 
 
+def streamed_forward_bytes(hidden, x_size, weight_size, bias_size):
+    """SBUF per partition the streamed forward needs (``_StreamedRows``): the broadcast weight and bias,
+    and STREAM_BUFFERS chunks of x, result and fp32 temporaries in flight."""
+    chunk = min(hidden, STREAM_CHUNK)
+    return hidden * (weight_size + bias_size) + STREAM_BUFFERS * chunk * (2 * x_size + 4 * 3) + SBUF_RESERVE
+
+
 def lean_backward_bytes(hidden, x_size, dy_size, weight_size):
     """SBUF per partition the backward needs at the least (``_BackwardPlan``'s one-tile schedule): x,
     g * rstd (fp32) and the weight per row, and one chunk of dy and of temporaries."""
     return (
         hidden * (weight_size + x_size + 4) + min(hidden, FREE_CHUNK) * (dy_size + BACKWARD_TEMPORARIES) + SBUF_RESERVE
     )
+
+
+def streamed_backward_bytes(hidden, x_size, dy_size, weight_size):
+    """SBUF per partition the streamed backward needs: the weight per row, and STREAM_BUFFERS chunks of x,
+    dy and temporaries in flight."""
+    chunk = min(hidden, STREAM_CHUNK)
+    return hidden * weight_size + STREAM_BUFFERS * chunk * (x_size + dy_size + BACKWARD_TEMPORARIES) + SBUF_RESERVE
 
 
 def max_hidden(x_dtype, weight_dtype=None, bias_dtype=None, sbuf_bytes=SMALLEST_SBUF_BYTES):
@@ -85,7 +104,9 @@ def max_hidden(x_dtype, weight_dtype=None, bias_dtype=None, sbuf_bytes=SMALLEST_
     sb = 0 if bias_dtype is None else itemsize(bias_dtype)
 
     def fits(hidden):
-        return max(forward_bytes(hidden, sx, sw, sb), lean_backward_bytes(hidden, sx, sx, sw)) <= sbuf_bytes
+        forward = min(forward_bytes(hidden, sx, sw, sb), streamed_forward_bytes(hidden, sx, sw, sb))
+        backward = min(lean_backward_bytes(hidden, sx, sx, sw), streamed_backward_bytes(hidden, sx, sx, sw))
+        return max(forward, backward) <= sbuf_bytes
 
     lo, hi = MIN_HIDDEN, MAX_HIDDEN
     if fits(hi):
@@ -152,6 +173,11 @@ def _statistics(tile, rows, hidden, eps_column):
         for i, (c0, c) in enumerate(pieces):
             nisa.bn_stats(dst=stats[:, 6 * i : 6 * i + 6], data=tile[:, c0 : c0 + c])
         nisa.bn_aggr(dst=moments, data=stats)
+    return _normalizers(moments, rows, eps_column)
+
+
+def _normalizers(moments, rows, eps_column):
+    """(mean, rstd, -mean * rstd) per row from its (mean, variance)."""
     rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=rstd, op=nl.rsqrt, data=moments[:, 1:2], bias=eps_column[:rows, :])
     shift = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
@@ -177,21 +203,29 @@ class _RowTile(nl.NKIObject):
         row_result = nl.ndarray(tile.shape, tile.dtype, buffer=nl.sbuf)
         for c0, c in chunks:
             result = row_result[:, c0 : c0 + c]
-            # With both a weight and a bias, the last CENTRED_SHARE of the columns are centred and scaled
-            # by the weight on VectorE, which leaves GpSimd one pass there instead of two.
-            split = c - _even(c * CENTRED_SHARE[0] // CENTRED_SHARE[1]) if w is not None and b is not None else c
-            for lo, hi in ((0, split), (split, c)):
-                if hi > lo:
-                    self._columns(result[:, lo:hi], c0 + lo, hi - lo, w, b, centred=lo > 0)
+            self._chunk(tile[:, c0 : c0 + c], result, c0, w, b)
         nisa.dma_copy(dst=out[r0 : r0 + rows, :], src=row_result)
-        nisa.dma_copy(dst=mean_out[r0 : r0 + rows, :], src=self.mean)
-        nisa.dma_copy(dst=rstd_out[r0 : r0 + rows, :], src=self.rstd)
+        self._store_statistics(mean_out, rstd_out)
 
-    def _columns(self, result, c0, c, w, b, centred):
-        """LayerNorm of columns [c0, c0 + c) into ``result``: n = x * rstd - mean * rstd on ScalarE, then
-        * weight and + bias on GpSimd; or, ``centred``, (x - mean) * weight on VectorE, * rstd on ScalarE
-        and + bias on GpSimd."""
-        rows, x = self.rows, self.tile[:, c0 : c0 + c]
+    def _store_statistics(self, mean_out, rstd_out):
+        nisa.dma_copy(dst=mean_out[self.r0 : self.r0 + self.rows, :], src=self.mean)
+        nisa.dma_copy(dst=rstd_out[self.r0 : self.r0 + self.rows, :], src=self.rstd)
+
+    def _chunk(self, x, result, c0, w, b):
+        """LayerNorm of the chunk ``x`` (columns c0 onwards) into ``result``. With both a weight and a bias,
+        the last CENTRED_SHARE of the columns are centred and scaled by the weight on VectorE, which leaves
+        GpSimd one pass there instead of two."""
+        c = x.shape[1]
+        split = c - _even(c * CENTRED_SHARE[0] // CENTRED_SHARE[1]) if w is not None and b is not None else c
+        for lo, hi in ((0, split), (split, c)):
+            if hi > lo:
+                self._columns(x[:, lo:hi], result[:, lo:hi], c0 + lo, w, b, centred=lo > 0)
+
+    def _columns(self, x, result, c0, w, b, centred):
+        """LayerNorm of the columns ``x`` (c0 onwards) into ``result``: n = x * rstd - mean * rstd on
+        ScalarE, then * weight and + bias on GpSimd; or, ``centred``, (x - mean) * weight on VectorE,
+        * rstd on ScalarE and + bias on GpSimd."""
+        rows, c = self.rows, x.shape[1]
         last = result if b is None else nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
         if centred:
             weighted = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
@@ -215,6 +249,44 @@ class _RowTile(nl.NKIObject):
             nisa.tensor_tensor(
                 dst=result, data1=last, data2=b[:rows, c0 : c0 + c], op=nl.add, engine=nisa.engine.gpsimd
             )
+
+
+class _StreamedRows(_RowTile):
+    """Up to 128 rows too wide for SBUF to hold them with their result: x streams through twice, once
+    for the statistics (bn_stats piece by piece) and once to normalise, STREAM_CHUNK columns at a time,
+    each chunk's result leaving in its own DMA (STREAM_CHUNK columns are at least 2 KiB per partition,
+    where the DMA keeps most of its efficiency)."""
+
+    def __init__(self, x, r0, rows, eps_column):
+        self.r0, self.rows, self.x = r0, rows, x
+        pieces = _bn_pieces(x.shape[1])
+        stats = nl.ndarray((rows, 6 * len(pieces)), nl.float32, buffer=nl.sbuf)
+        first = 0
+        while first < len(pieces):
+            last = first + 1  # the pieces of one load: consecutive, at most STREAM_CHUNK columns in all
+            while last < len(pieces) and pieces[last][0] + pieces[last][1] - pieces[first][0] <= STREAM_CHUNK:
+                last += 1
+            g0 = pieces[first][0]
+            chunk = self._load(g0, pieces[last - 1][0] + pieces[last - 1][1] - g0)
+            for i in range(first, last):
+                c0, c = pieces[i]
+                nisa.bn_stats(dst=stats[:, 6 * i : 6 * i + 6], data=chunk[:, c0 - g0 : c0 - g0 + c])
+            first = last
+        moments = nl.ndarray((rows, 2), nl.float32, buffer=nl.sbuf)
+        nisa.bn_aggr(dst=moments, data=stats)
+        self.mean, self.rstd, self.shift = _normalizers(moments, rows, eps_column)
+
+    def _load(self, c0, c):
+        chunk = nl.ndarray((self.rows, c), self.x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=chunk, src=self.x[self.r0 : self.r0 + self.rows, c0 : c0 + c])
+        return chunk
+
+    def normalize(self, out, mean_out, rstd_out, w, b, chunks):
+        for c0, c in chunks:
+            result = nl.ndarray((self.rows, c), self.x.dtype, buffer=nl.sbuf)
+            self._chunk(self._load(c0, c), result, c0, w, b)
+            nisa.dma_copy(dst=out[self.r0 : self.r0 + self.rows, c0 : c0 + c], src=result)
+        self._store_statistics(mean_out, rstd_out)
 
 
 def _even(n):
@@ -249,9 +321,13 @@ def layernorm_fwd(x, weight, bias, eps):
     w = None if weight is None else _broadcast(weight, hidden)
     b = None if bias is None else _broadcast(bias, hidden)
     eps_column = _constant_column(eps)
-    chunks = list(tiles(hidden, FREE_CHUNK))
+    sizes = (itemsize(x.dtype), *(0 if t is None else itemsize(t.dtype) for t in (weight, bias)))
+    if forward_bytes(hidden, *sizes) <= nl.tile_size.total_available_sbuf_size:
+        rows_class, chunks = _RowTile, list(tiles(hidden, FREE_CHUNK))
+    else:
+        rows_class, chunks = _StreamedRows, list(tiles(hidden, STREAM_CHUNK))
     for r0, rows in tiles(rows_total, P):
-        _RowTile(x, r0, rows, eps_column).normalize(out, mean_out, rstd_out, w, b, chunks)
+        rows_class(x, r0, rows, eps_column).normalize(out, mean_out, rstd_out, w, b, chunks)
     return out, mean_out, rstd_out
 
 
@@ -270,15 +346,47 @@ def _summed(data, scale, total, dtype):
     return out
 
 
+def _weighted(dy_chunk, w, c0):
+    """g = dy * weight over a chunk (columns c0 onwards) in fp32, dy itself without a weight: VectorE's
+    one-cycle (dy - 0) * w form, and GpSimd's plain product for the last G_ON_GPSIMD of the columns."""
+    if w is None:
+        return dy_chunk
+    rows, c = dy_chunk.shape
+    g = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+    split = c - _even(c * G_ON_GPSIMD[0] // G_ON_GPSIMD[1])
+    if split:
+        nisa.scalar_tensor_tensor(
+            dst=g[:, :split],
+            data=dy_chunk[:, :split],
+            op0=nl.subtract,
+            operand0=0.0,
+            op1=nl.multiply,
+            operand1=w[:rows, c0 : c0 + split],
+        )
+    if split < c:
+        nisa.tensor_tensor(
+            dst=g[:, split:],
+            data1=dy_chunk[:, split:],
+            data2=w[:rows, c0 + split : c0 + c],
+            op=nl.multiply,
+            engine=nisa.engine.gpsimd,
+        )
+    return g
+
+
 class _GradientRows(nl.NKIObject):
-    """Up to 128 rows of the backward, x resident in SBUF: ``first_pass`` issues pass 1 and the row
-    constants, ``finish`` pass 2."""
+    """Up to 128 rows of the backward: ``first_pass`` issues pass 1 and the row constants, ``finish``
+    pass 2. x stays resident in SBUF unless the plan streams it (then both passes load x and dy chunk
+    by chunk, and pass 2 forms g * rstd again rather than keeping it)."""
 
     def __init__(self, dy, x, mean, rstd, r0, rows, plan):
-        """Load the rows' x, mean and rstd, and dy unless the plan streams it chunk by chunk."""
-        self.r0, self.rows, self.chunks, self.group, self.dy_hbm = r0, rows, plan.chunks, plan.group, dy
-        self.tile = nl.ndarray((rows, x.shape[1]), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=self.tile, src=x[r0 : r0 + rows, :])
+        """Load the rows' mean and rstd, x unless the plan streams it, and dy if the plan pipelines."""
+        self.r0, self.rows, self.chunks, self.group = r0, rows, plan.chunks, plan.group
+        self.dy_hbm, self.x_hbm = dy, x
+        self.tile = None
+        if not plan.streamed:
+            self.tile = nl.ndarray((rows, x.shape[1]), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=self.tile, src=x[r0 : r0 + rows, :])
         self.dy = None
         if plan.pipelined:
             self.dy = nl.ndarray((rows, x.shape[1]), dy.dtype, buffer=nl.sbuf)
@@ -303,41 +411,17 @@ class _GradientRows(nl.NKIObject):
         and ScalarE would idle waiting for it.)"""
         rows, r, m, n = self.rows, self.rstd, self.mean, len(self.chunks)
         sums = nl.ndarray((rows, 2, n), nl.float32, buffer=nl.sbuf)  # per chunk: sum(g * rstd), sum(p * w)
-        self.scaled_g = []
+        self.scaled_g, self.w = [], w
         for first in range(0, n, self.group):
             group = self.chunks[first : first + self.group]
             gs, ps = [], []
             for c0, c in group:
-                if self.dy is not None:
-                    dy_chunk = self.dy[:, c0 : c0 + c]
-                else:
-                    dy_chunk = nl.ndarray((rows, c), self.dy_hbm.dtype, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=dy_chunk, src=self.dy_hbm[self.r0 : self.r0 + rows, c0 : c0 + c])
-                g = dy_chunk
-                if w is not None:
-                    g = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
-                    split = c - _even(c * G_ON_GPSIMD[0] // G_ON_GPSIMD[1])
-                    if split:
-                        nisa.scalar_tensor_tensor(
-                            dst=g[:, :split],
-                            data=dy_chunk[:, :split],
-                            op0=nl.subtract,
-                            operand0=0.0,
-                            op1=nl.multiply,
-                            operand1=w[:rows, c0 : c0 + split],
-                        )
-                    if split < c:
-                        nisa.tensor_tensor(
-                            dst=g[:, split:],
-                            data1=dy_chunk[:, split:],
-                            data2=w[:rows, c0 + split : c0 + c],
-                            op=nl.multiply,
-                            engine=nisa.engine.gpsimd,
-                        )
+                dy_chunk = self.dy[:, c0 : c0 + c] if self.dy is not None else self._load(self.dy_hbm, c0, c)
+                g = _weighted(dy_chunk, w, c0)
                 p = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)  # (x - mean) * dy = dy * n / rstd
                 nisa.scalar_tensor_tensor(
                     dst=p,
-                    data=self.tile[:, c0 : c0 + c],
+                    data=self._x(c0, c),
                     op0=nl.subtract,
                     operand0=m,
                     op1=nl.multiply,
@@ -358,7 +442,10 @@ class _GradientRows(nl.NKIObject):
             if first == 0 and previous is not None:
                 previous.finish(dx)
             for i, g in enumerate(gs, first):
-                self.scaled_g.append(_summed(g, r, sums[:, 0, i : i + 1], nl.float32))
+                # Kept for pass 2 unless the rows stream (then only the sum is kept, as for p * w).
+                scaled = _summed(g, r, sums[:, 0, i : i + 1], nl.float32 if self.tile is not None else nl.bfloat16)
+                if self.tile is not None:
+                    self.scaled_g.append(scaled)
             for i, pw in enumerate(pws, first):
                 _summed(pw, 1.0, sums[:, 1, i : i + 1], nl.bfloat16)  # only the sum is kept
         totals = nl.ndarray((rows, 2), nl.float32, buffer=nl.sbuf)
@@ -367,33 +454,57 @@ class _GradientRows(nl.NKIObject):
         self.k1, self.k0 = self._constants(totals[:, 0:1], totals[:, 1:2], hidden)
         self.dy = None  # pass 2 does not read dy: its SBUF is free for the next tile
 
+    def _load(self, tensor, c0, c):
+        chunk = nl.ndarray((self.rows, c), tensor.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=chunk, src=tensor[self.r0 : self.r0 + self.rows, c0 : c0 + c])
+        return chunk
+
+    def _x(self, c0, c):
+        return self.tile[:, c0 : c0 + c] if self.tile is not None else self._load(self.x_hbm, c0, c)
+
     def finish(self, dx):
-        """Pass 2: dx = g * rstd + k1 * x + k0 over the resident x row, which then leaves in one DMA.
-        ScalarE forms k1 * x + k0 (VectorE for the last DX_ON_VECTOR of each chunk's columns), and
-        GpSimd adds g * rstd."""
-        rows, k1, k0 = self.rows, self.k1, self.k0
-        for (c0, c), gr in zip(self.chunks, self.scaled_g):
-            split = c - _even(c * DX_ON_VECTOR[0] // DX_ON_VECTOR[1])
-            for lo, hi in ((0, split), (split, c)):
-                if hi == lo:
-                    continue
-                x_part = self.tile[:, c0 + lo : c0 + hi]
-                affine = nl.ndarray((rows, hi - lo), nl.float32, buffer=nl.sbuf)
-                if lo == 0:
-                    nisa.activation(dst=affine, op=nl.copy, data=x_part, scale=k1, bias=k0)
-                else:
-                    nisa.tensor_scalar(
-                        dst=affine,
-                        data=x_part,
-                        op0=nl.multiply,
-                        operand0=k1,
-                        op1=nl.add,
-                        operand1=k0,
-                        engine=nisa.engine.vector,
-                    )
-                # dx overwrites the x row it is computed from, so the whole row leaves in one wide DMA.
-                nisa.tensor_tensor(dst=x_part, data1=affine, data2=gr[:, lo:hi], op=nl.add, engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=dx[self.r0 : self.r0 + rows, :], src=self.tile)
+        """Pass 2: dx = g * rstd + k1 * x + k0 over the resident x row, which then leaves in one DMA (or,
+        streamed, over each chunk of x loaded again, with g * rstd formed again from dy, each chunk
+        leaving in its own DMA)."""
+        r0, rows = self.r0, self.rows
+        if self.tile is not None:
+            for (c0, c), gr in zip(self.chunks, self.scaled_g):
+                self._dx_columns(self.tile[:, c0 : c0 + c], gr)
+            nisa.dma_copy(dst=dx[r0 : r0 + rows, :], src=self.tile)
+            return
+        for c0, c in self.chunks:
+            x_chunk = self._load(self.x_hbm, c0, c)
+            gr = nl.ndarray((rows, c), nl.float32, buffer=nl.sbuf)
+            nisa.activation(
+                dst=gr, op=nl.copy, data=_weighted(self._load(self.dy_hbm, c0, c), self.w, c0), scale=self.rstd
+            )
+            self._dx_columns(x_chunk, gr)
+            nisa.dma_copy(dst=dx[r0 : r0 + rows, c0 : c0 + c], src=x_chunk)
+
+    def _dx_columns(self, x_chunk, gr):
+        """dx = g * rstd + k1 * x + k0 over a chunk, written over x: ScalarE forms k1 * x + k0 (VectorE for
+        the last DX_ON_VECTOR of the columns), and GpSimd adds g * rstd."""
+        rows, k1, k0, c = self.rows, self.k1, self.k0, x_chunk.shape[1]
+        split = c - _even(c * DX_ON_VECTOR[0] // DX_ON_VECTOR[1])
+        for lo, hi in ((0, split), (split, c)):
+            if hi == lo:
+                continue
+            x_part = x_chunk[:, lo:hi]
+            affine = nl.ndarray((rows, hi - lo), nl.float32, buffer=nl.sbuf)
+            if lo == 0:
+                nisa.activation(dst=affine, op=nl.copy, data=x_part, scale=k1, bias=k0)
+            else:
+                nisa.tensor_scalar(
+                    dst=affine,
+                    data=x_part,
+                    op0=nl.multiply,
+                    operand0=k1,
+                    op1=nl.add,
+                    operand1=k0,
+                    engine=nisa.engine.vector,
+                )
+            # dx overwrites the x it is computed from, so a resident row leaves in one wide DMA.
+            nisa.tensor_tensor(dst=x_part, data1=affine, data2=gr[:, lo:hi], op=nl.add, engine=nisa.engine.gpsimd)
 
     def _constants(self, sum_gr, sum_pw, hidden):
         """k1 = -rstd^2 c = -rstd^3 sum(p * w) / H and k0 = -rstd a - k1 mean = -sum(g * rstd) / H - k1 mean,
@@ -444,22 +555,24 @@ class _BackwardPlan(nl.NKIObject):
     """How the backward holds its rows in SBUF (bytes per partition): ``pipelined`` keeps three row tiles
     alive (the next one loading; this one with x, dy, g * rstd and GROUP chunks of pass-1 temporaries;
     the previous one's x and g * rstd awaiting pass 2); otherwise one tile at a time, dy streamed chunk
-    by chunk and one chunk of temporaries. Raises when even that does not fit."""
+    by chunk and one chunk of temporaries; ``streamed`` where even that does not fit: x streams too,
+    twice (``_GradientRows``). Raises when not even that fits."""
 
     def __init__(self, hidden, x_dtype, dy_dtype, w_dtype):
-        self.chunks = list(tiles(hidden, FREE_CHUNK))
-        width = self.chunks[0][1]
         sx, sdy, sw = itemsize(x_dtype), itemsize(dy_dtype), 0 if w_dtype is None else itemsize(w_dtype)
         available = nl.tile_size.total_available_sbuf_size
+        width = min(hidden, FREE_CHUNK)
         pipelined = (
             hidden * (sw + (sx + sdy) + (sx + sdy + 4) + (sx + 4)) + GROUP * width * BACKWARD_TEMPORARIES + SBUF_RESERVE
         )
-        lean = lean_backward_bytes(hidden, sx, sdy, sw)
         self.pipelined = pipelined < available
+        self.streamed = lean_backward_bytes(hidden, sx, sdy, sw) > available
         self.group = GROUP if self.pipelined else 1
-        if lean > available:
+        self.chunks = list(tiles(hidden, STREAM_CHUNK if self.streamed else FREE_CHUNK))
+        streamed = streamed_backward_bytes(hidden, sx, sdy, sw)
+        if self.streamed and streamed > available:
             raise ValueError(
-                f"layernorm: hidden size {hidden} needs {lean:,} bytes of SBUF per partition in the backward, "
+                f"layernorm: hidden size {hidden} needs {streamed:,} bytes of SBUF per partition in the backward, "
                 f"over the {available:,} available"
             )
 
