@@ -432,7 +432,14 @@ def all_to_all(
         _same_dtype(instr, f"dsts[{i}]", dst, src)
         if dst.shape != src.shape:
             raise rule(instr, f"dsts[{i}]", "must have its source's shape", dst=list(dst.shape), src=list(src.shape))
-        _check_split(instr, f"srcs[{i}]", src.shape, src.shape, dim, 1, "split", chunks=len(group))
+        if src.shape[dim] % len(group):
+            raise rule(
+                instr,
+                f"srcs[{i}]",
+                f"dim {dim} must split into one equal chunk per rank",
+                shape=list(src.shape),
+                ranks=len(group),
+            )
     posts = _meet(instr, run, group, (dim, _signature(*srcs)), _post(run, srcs))
     me = group.index(run.rank)
     for i, dst in enumerate(dsts):
@@ -454,22 +461,9 @@ def _two_dimensional(instr: str, tensors: Sequence[Tensor]) -> None:
 
 
 def _check_split(
-    instr: str,
-    role: str,
-    whole: tuple[int, ...],
-    part: tuple[int, ...],
-    dim: int,
-    ranks: int,
-    what: str,
-    chunks: int | None = None,
+    instr: str, role: str, whole: tuple[int, ...], part: tuple[int, ...], dim: int, ranks: int, what: str
 ) -> None:
-    """``whole`` must be ``ranks`` copies of ``part`` along ``dim`` (or split into ``chunks`` equal parts)."""
-    if chunks is not None:
-        if whole[dim] % chunks:
-            raise rule(
-                instr, role, f"dim {dim} must split into one equal chunk per rank", shape=list(whole), ranks=chunks
-            )
-        return
+    """``whole`` must be the shape of ``ranks`` tensors of shape ``part`` concatenated along ``dim``."""
     expected = list(part)
     expected[dim] *= ranks
     if list(whole) != expected:
@@ -504,7 +498,7 @@ def _metadata(instr: str, metadata: Any, rows: int, ranks: int) -> tuple[Tensor,
         )
     if not t.is_contiguous():
         raise rule(instr, "metadata_tensor", "must be laid out contiguously", strides=list(t.strides))
-    return t, (lambda row: t[0, row : row + 1, :] if t.on_chip else t[row : row + 1, :])
+    return t, (lambda row: t[0:1, row, :] if t.on_chip else t[row : row + 1, :])
 
 
 def _row(instr: str, row: Tensor) -> list[int]:

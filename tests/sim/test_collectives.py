@@ -224,6 +224,24 @@ def test_all_gather_v_broadcasts_each_ranks_chunk_into_its_slot(known):
         np.testing.assert_array_equal(received, np.full((2, 4), 7) if known else np.stack([counts, counts]))
 
 
+def test_all_gather_v_takes_its_metadata_from_sbuf_too():
+    """An SBUF metadata tensor is (1, rows, ranks): one partition; row 2 receives the counts there."""
+
+    @nki.jit
+    def kernel(x, metadata, group):
+        dst = nl.ndarray((1, 8), x.dtype, buffer=nl.shared_hbm, name="dst")
+        md = to_sbuf(metadata)
+        ncc.all_gather_v(srcs=[_copied(x)], dsts=[dst], replica_group=group, metadata_tensor=md)
+        return _out(dst), to_hbm(md)
+
+    xs = [np.arange(4, dtype=np.float32) + 10 * r for r in range(4)]
+    metadata = [_metadata([[[2] * 4, [r % 3] * 4, [0] * 4]]) for r in range(4)]
+    outs = sim.run_ranks(kernel, list(zip(xs, metadata)), group=FOUR, grid=2).outputs
+    for out, md in outs:
+        np.testing.assert_array_equal(out[0], np.concatenate([xs[r][r % 3 : r % 3 + 2] for r in range(4)]))
+        np.testing.assert_array_equal(md[0, 2], [2, 2, 2, 2])
+
+
 @nki.jit
 def all_to_all_v_kernel(x, metadata, group, size):
     src = _copied(x)
