@@ -538,7 +538,6 @@ def _chunk(instr: str, flat_src: Tensor, posted: tuple[np.ndarray, bool], start:
 
 def _receive(
     instr: str,
-    run: runtime.Run,
     flat_dst: Tensor,
     chunks: list[tuple[np.ndarray, bool]],
     displacements: list[int],
@@ -565,7 +564,7 @@ def _receive(
     return counts
 
 
-def _write_recv_counts(instr: str, run: runtime.Run, row: Tensor, counts: list[int]) -> None:
+def _write_recv_counts(instr: str, row: Tensor, counts: list[int]) -> None:
     row.write(np.asarray(counts, dtype=np.uint32).reshape(row.shape), instr)
 
 
@@ -607,10 +606,10 @@ def all_gather_v(
     posts = _meet(instr, run, group, (_signature(src, dst), recv_counts_known), mine)
     slot = dst.size // len(group)
     chunks = [posts[rank] for rank in group]
-    counts = _receive(instr, run, flat_dst, chunks, [p * slot for p in range(len(group))], slot)
+    counts = _receive(instr, flat_dst, chunks, [p * slot for p in range(len(group))], slot)
     writes = [("dsts[0]", dst)]
     if not recv_counts_known:
-        _write_recv_counts(instr, run, row(2), counts)
+        _write_recv_counts(instr, row(2), counts)
         writes.append(("metadata_tensor", row(2)))
     _record(run, "all_gather_v", [("srcs[0]", src), ("metadata_tensor", metadata)], writes, group)
 
@@ -643,13 +642,13 @@ def all_to_all_v(
     chunks = [posts[rank][me] for rank in group]
     slot = dst.size // len(group)
     if has_rdispls:
-        counts = _receive(instr, run, flat_dst, chunks, _row(instr, row(3)), None)
+        counts = _receive(instr, flat_dst, chunks, _row(instr, row(3)), None)
     else:
-        counts = _receive(instr, run, flat_dst, chunks, [p * slot for p in range(len(group))], slot)
+        counts = _receive(instr, flat_dst, chunks, [p * slot for p in range(len(group))], slot)
     reads = [("srcs[0]", src), ("metadata_tensor", metadata)]
     writes = [("dsts[0]", dst)]
     if not recv_counts_known:
-        _write_recv_counts(instr, run, row(2), counts)
+        _write_recv_counts(instr, row(2), counts)
         writes.append(("metadata_tensor", row(2)))
     _record(run, "all_to_all_v", reads, writes, group)
 
