@@ -40,17 +40,18 @@ def estimate(
 
 
 def estimate_trace(trace: Trace, target: str | None = None, flops: int | None = None) -> CostReport:
-    """Model an existing trace. SPMD programs each run on their own NeuronCore, in parallel.
+    """Model an existing trace. SPMD programs, and the ranks of a multi-rank launch, each run on their own
+    NeuronCore, in parallel.
 
     ``flops`` overrides the trace's FLOP count (every TensorE instruction, transposes included) for the
     TFLOPS and %-of-peak figures, e.g. with the standard count of the algorithm.
     """
     hw = hardware(target or trace.target)
-    programs: dict[tuple[int, ...], list[Instruction]] = defaultdict(list)
+    programs: dict[tuple[int, tuple[int, ...]], list[Instruction]] = defaultdict(list)
     for inst in trace.instructions:
-        programs[inst.program].append(inst)
+        programs[(inst.rank, inst.program)].append(inst)
     if not programs:
-        programs[(0,)] = []
+        programs[(0, (0,))] = []
     schedules = {p: schedule(insts, hw) for p, insts in programs.items()}
     slowest = max(schedules, key=lambda p: schedules[p].makespan_ns)
     cores = len(programs)

@@ -7,8 +7,10 @@ next program that can run, and takes its turn back once what it waits for has ha
 instructions the programs simply run one after another, as before. A wait nothing can satisfy is
 reported as a deadlock naming the instruction.
 
-A program's rank is its index along grid axis 0 (0 or 1); programs that differ in other grid axes
-belong to different core pairs.
+A program's rank is its index along grid axis 0 (0 or 1); programs that differ in other grid axes,
+or belong to different ranks of a multi-rank launch (``sim.run_ranks``), belong to different core pairs.
+The same scheduler runs every program of every rank of such a launch, so ``nki.collectives`` calls
+(collectives.py) wait for each other the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ LNC_RANKS = (0, 1)
 GPSIMD_DMA_MAX_BYTES = {4: 1024, 2: 512, 1: 256}
 
 
+_DEADLOCK_HINT = (
+    "a sendrecv needs its peer's matching sendrecv with the same pipe_id; a core_barrier needs every core; "
+    "a collective needs the matching call of every rank of its replica group"
+)
+
+
 class _Aborted(BaseException):
     """Ends a waiting program's thread after another program failed."""
 
@@ -38,16 +46,20 @@ class _Aborted(BaseException):
 class Programs:
     """Runs a launch's programs one at a time, in program order, handing over at cross-core waits."""
 
-    def __init__(self, bodies: Sequence[Callable[[], None]]) -> None:
+    def __init__(self, bodies: Sequence[Callable[[], None]], labels: Sequence[str] | None = None) -> None:
+        """``labels`` name the programs in a deadlock report (default: their indices)."""
         self._bodies = list(bodies)
+        self._labels = list(labels) if labels is not None else None
         self._cond = threading.Condition()
         self._started = [False] * len(bodies)
         self._done = [False] * len(bodies)
-        self._waiting: dict[int, tuple[Callable[[], bool], str]] = {}
+        self._waiting: dict[int, tuple[Callable[[], bool], str | Callable[[], str]]] = {}
         self._turn: int | None = None
         self._error: BaseException | None = None
         self.mailboxes: defaultdict[tuple, deque] = defaultdict(deque)
         self.barrier_arrivals: defaultdict[tuple, int] = defaultdict(int)
+        # What nki.collectives calls have posted and how far each program is (collectives.py).
+        self.collectives: dict[tuple, Any] = {}
 
     def run(self) -> None:
         with self._cond:
@@ -57,8 +69,9 @@ class Programs:
         if self._error is not None:
             raise self._error
 
-    def wait(self, ready: Callable[[], bool], what: str) -> None:
-        """Called by the running program: block until ``ready()``, letting the others run meanwhile."""
+    def wait(self, ready: Callable[[], bool], what: str | Callable[[], str]) -> None:
+        """Called by the running program: block until ``ready()``, letting the others run meanwhile.
+        ``what`` names the wait in a deadlock report (a callable is asked only then)."""
         me = self._turn
         assert me is not None
         with self._cond:
@@ -88,12 +101,17 @@ class Programs:
             return
         self._turn = None
         if not all(self._done):
-            stuck = sorted({what for _, what in self._waiting.values()})
             self._error = NkiValidationError(
-                f"deadlock: programs {sorted(self._waiting)} wait at {', '.join(stuck)} and no program can continue "
-                "(a sendrecv needs its peer's matching sendrecv with the same pipe_id; a core_barrier needs every core)"
+                f"deadlock: {self._stuck()} and no program can continue ({_DEADLOCK_HINT})"
             )
         self._cond.notify_all()
+
+    def _stuck(self) -> str:
+        """Who waits where (the lock is held)."""
+        described = {i: what if isinstance(what, str) else what() for i, (_, what) in self._waiting.items()}
+        if self._labels is None:
+            return f"programs {sorted(described)} wait at {', '.join(sorted(set(described.values())))}"
+        return "; ".join(f"{self._labels[i]} waits at {described[i]}" for i in sorted(described))
 
     def _program(self, i: int) -> None:
         with self._cond:
@@ -128,7 +146,7 @@ def _lnc_pair(instr: str, run: runtime.Run) -> tuple[int, tuple[int, ...], Progr
             "needs an LNC=2 launch: a grid of 2 programs along axis 0 (kernel[2](...)), one per core",
             grid=list(run.grid),
         )
-    return run.program_id[0], tuple(run.program_id[1:]), programs
+    return run.program_id[0], (run.rank, *run.program_id[1:]), programs
 
 
 def _rank(instr: str, role: str, value: Any) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 
-from . import dtypes, isa, language, nki_typing
+from . import collectives, dtypes, isa, language, nki_typing
 from .jit import jit, simulate
 
 __version__ = "0.6-sim"
@@ -48,6 +48,7 @@ def build() -> types.ModuleType:
         simulate=simulate,
         language=language,
         isa=isa,
+        collectives=collectives,
         typing=nki_typing,
         dtype=build_dtype_module(),
         __version__=__version__,

@@ -82,6 +82,8 @@ class Run:
         explicit_grid: bool = False,
         numerics: bool = True,
         uncomputed: set[int] | None = None,
+        rank: int = 0,
+        ranks: int = 1,
     ) -> None:
         if capacity not in ("error", "warn"):
             raise ValueError(f"capacity must be 'error' or 'warn', got {capacity!r}")
@@ -90,6 +92,10 @@ class Run:
         self.program_id = program_id
         self.grid = grid
         self.explicit_grid = explicit_grid  # launched as kernel[grid] (so nl.program_ndim counts it)
+        # Which rank of a multi-rank launch (sim.run_ranks) this program belongs to, and how many ranks
+        # the launch has: nki.collectives exchanges data between them.
+        self.rank = rank
+        self.ranks = ranks
         self.trace = trace if trace is not None else Trace(target.name)
         self._next_id = 0
         self.memory = OnChipMemory(target, self.trace, capacity, self._new_id)
@@ -205,6 +211,7 @@ class Run:
             hbm_bytes_written=hbm_written,
             flops=flops,
             program=self.program_id,
+            rank=self.rank,
             attrs=attrs,
         )
         self.trace.instructions.append(inst)

@@ -64,6 +64,7 @@ class Instruction:
     hbm_bytes_written: int = 0
     flops: int = 0
     program: tuple[int, ...] = ()
+    rank: int = 0  # the launch's rank (sim.run_ranks); 0 in a one-rank launch
     attrs: dict[str, Any] = field(default_factory=dict)
 
 

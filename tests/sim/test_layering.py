@@ -8,7 +8,7 @@ from kernels_neuron import sim
 # Top to bottom, as docs/architecture.md lists them.
 LAYERS = [
     {"__init__", "__main__", "facade", "examples"},
-    {"jit", "language", "isa", "nki_typing", "gpsimd", "prng", "mx", "cores"},
+    {"jit", "language", "isa", "nki_typing", "gpsimd", "prng", "mx", "cores", "collectives"},
     {"operands", "indirection", "enums"},
     {"tensor", "ops"},
     {"runtime", "memory", "trace", "targets"},

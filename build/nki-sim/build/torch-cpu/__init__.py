@@ -37,7 +37,7 @@ import importlib.util
 import os
 import sys
 
-from . import isa, language
+from . import collectives, isa, language
 from .errors import (
     AccumulateOntoNonMatmulWarning,
     AccumulateUninitializedWarning,
@@ -46,10 +46,9 @@ from .errors import (
     CapacityWarning,
     NkiValidationError,
     NoActiveKernel,
-    SimulatorUnsupported,
     UncomputedValueError,
 )
-from .jit import Kernel, SimResult, capture, jit, run, simulate
+from .jit import Kernel, SimResult, capture, jit, run, run_ranks, simulate
 from .targets import TARGETS, Target
 from .trace import Instruction, Region, Trace
 
@@ -61,6 +60,7 @@ __all__ = [
     "jit",
     "simulate",
     "run",
+    "run_ranks",
     "capture",
     "Kernel",
     "SimResult",
@@ -75,15 +75,15 @@ __all__ = [
     "AliasingError",
     "AccumulateUninitializedWarning",
     "AccumulateOntoNonMatmulWarning",
-    "SimulatorUnsupported",
     "UncomputedValueError",
     "NoActiveKernel",
     "isa",
     "language",
+    "collectives",
 ]
 
 FORCE_ENV_VAR = "KERNELS_NEURON_FORCE_SIM"
-_MODULES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing", "nki.dtype")
+_MODULES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.collectives", "nki.typing", "nki.dtype")
 
 
 def real_nki_available() -> bool:
@@ -122,6 +122,7 @@ def install(force: bool | None = None) -> str:
     sys.modules["nki.language"] = language
     sys.modules["nki.isa"] = isa
     sys.modules["nki.isa.constants"] = isa.constants
+    sys.modules["nki.collectives"] = collectives
     sys.modules["nki.typing"] = nki.typing
     sys.modules["nki.dtype"] = nki.dtype
     return "simulator"

@@ -36,10 +36,6 @@ class AccumulateUninitializedWarning(UserWarning):
     warned about as AWS's simulator does."""
 
 
-class SimulatorUnsupported(NotImplementedError):
-    """A documented NKI API that this simulator does not execute (named in the message)."""
-
-
 class UncomputedValueError(RuntimeError):
     """A trace-only run (``numerics=False``) needed a value it did not compute: the kernel reads, while
     it traces, a value an instruction computed (a register load, a dynamic loop bound, an offset, a

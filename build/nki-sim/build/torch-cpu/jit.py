@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,32 +176,93 @@ def launch(
     strict_lnc: bool | None = None,
     numerics: bool = True,
 ) -> SimResult:
+    outputs, trace = _launch_ranks(kernel, [(args, kwargs)], target, capacity, seed, strict_lnc, numerics)
+    return SimResult(outputs[0] if numerics else None, trace, numerics)
+
+
+def run_ranks(
+    kernel: Callable[..., Any],
+    rank_args: Sequence[tuple | list | Mapping[str, Any]],
+    *,
+    target: str | Target | None = None,
+    grid: Any = None,
+    capacity: str = "error",
+    seed: int = 0,
+    strict_lnc: bool | None = None,
+    numerics: bool = True,
+    **kwargs: Any,
+) -> SimResult:
+    """Launch ``kernel`` as ``len(rank_args)`` ranks, the way a collective job runs one kernel per rank,
+    and return every rank's outputs (a list, by rank) with one trace.
+
+    ``rank_args[r]`` is rank ``r``'s arguments: a tuple (or list) of positional arguments or a mapping of
+    keyword arguments; ``kwargs`` go to every rank. Each rank is its own (logical) NeuronCore with its own
+    SBUF, PSUM and HBM tensors; ``grid`` is each rank's launch (``grid=2``: LNC=2, two programs per rank).
+    ``nki.collectives`` calls exchange data between ranks: ``rank_id()`` is ``r``, and a collective blocks
+    until every rank of its replica group has made the matching call. Each trace record names its rank
+    (``Instruction.rank``), and the cost model models each rank's programs on their own cores. The other
+    options are :func:`run`'s; a trace-only run (``numerics=False``) has ``outputs`` None.
+    """
+    if not rank_args:
+        raise ValueError("run_ranks: rank_args must hold each rank's arguments (at least one rank)")
+    inputs: list[tuple[tuple, dict]] = []
+    for rank, given in enumerate(rank_args):
+        if isinstance(given, Mapping):
+            inputs.append(((), {**kwargs, **given}))
+        elif isinstance(given, (tuple, list)):
+            inputs.append((tuple(given), dict(kwargs)))
+        else:
+            raise TypeError(
+                f"run_ranks: rank_args[{rank}] must be a tuple of positional or a mapping of keyword arguments, "
+                f"got {type(given).__name__}"
+            )
+    k = simulate(kernel)
+    if grid is not None:
+        k = k[grid]
+    outputs, trace = _launch_ranks(k, inputs, target, capacity, seed, strict_lnc, numerics)
+    return SimResult(outputs if numerics else None, trace, numerics)
+
+
+def _launch_ranks(
+    kernel: Kernel,
+    inputs: list[tuple[tuple, dict]],
+    target: str | Target | None,
+    capacity: str,
+    seed: int,
+    strict_lnc: bool | None,
+    numerics: bool,
+) -> tuple[list[Any], Trace]:
+    """Run every program of every rank (``inputs[r]`` is rank r's (args, kwargs)); each rank's outputs."""
     if strict_lnc is None:
         strict_lnc = os.environ.get(STRICT_LNC_ENV, "") not in ("", "0")
     if strict_lnc:
         _check_lnc_bracket(kernel)
     chosen = resolve(target)
-    torch_in = any(_is_torch(a) for a in itertools.chain(args, kwargs.values()))
+    torch_in = any(_is_torch(a) for args, kwargs in inputs for a in itertools.chain(args, kwargs.values()))
     trace = Trace(chosen.name, kernel=getattr(kernel.func, "__name__", ""))
     grid = kernel.grid or (1,)
-    shared: dict[int, runtime.Buffer] = {}
-    outputs: list[Any] = [None]
+    ranks = len(inputs)
+    shared: list[dict[int, runtime.Buffer]] = [{} for _ in inputs]  # each rank's own shared_hbm
+    outputs: list[Any] = [None] * ranks
     programs: cores.Programs | None = None
     uncomputed: set[int] = set()  # shared by the programs, as their arguments' memory is
     arguments: list[runtime.Buffer] = []
 
-    def run_program(program: tuple[int, ...]) -> None:
+    def run_program(rank: int, program: tuple[int, ...]) -> None:
+        args, kwargs = inputs[rank]
         rt = runtime.Run(
             chosen,
             capacity=capacity,
             program_id=tuple(int(p) for p in program),
             grid=grid,
             trace=trace,
-            shared=shared,
+            shared=shared[rank],
             seed=seed,
             explicit_grid=kernel.grid is not None,
             numerics=numerics,
             uncomputed=uncomputed,
+            rank=rank,
+            ranks=ranks,
         )
         rt.cores = programs
         with runtime.activate(rt):
@@ -210,24 +271,26 @@ def launch(
             arguments.extend(t._buf for t in _tensors(hbm_args) + _tensors(list(hbm_kwargs.values())))
             returned = kernel.func(*hbm_args, **hbm_kwargs)
             rt.memory.finish()
-            outputs[0] = _from_hbm(returned, torch_in) if numerics else None
+            outputs[rank] = _from_hbm(returned, torch_in) if numerics else None
 
-    every_program = list(np.ndindex(*grid))
+    every_program = [(rank, p) for rank in range(ranks) for p in np.ndindex(*grid)]
     if len(every_program) == 1:
-        run_program(every_program[0])
+        run_program(*every_program[0])
     else:
         # One program at a time, in order; cores.Programs lets programs that wait for each other
-        # (sendrecv, core_barrier) hand over.
-        programs = cores.Programs([functools.partial(run_program, p) for p in every_program])
+        # (sendrecv, core_barrier, collectives) hand over.
+        labels = None
+        if ranks > 1:
+            labels = [f"rank {rank}" + (f" program {list(p)}" if grid != (1,) else "") for rank, p in every_program]
+        programs = cores.Programs([functools.partial(run_program, *rp) for rp in every_program], labels)
         programs.run()
-    outputs = outputs[0]
     for buf in arguments:
         if buf.address in uncomputed:
             # In-place results a trace-only run did not compute must not pass for results.
             buf.data[...] = dtypes.uninitialized_fill(buf.dtype)
     for sink in getattr(_captures, "stack", None) or ():
         sink.append(trace)
-    return SimResult(outputs, trace, numerics)
+    return outputs, trace
 
 
 def _tensors(values: list) -> list[Tensor]:
