@@ -241,8 +241,8 @@ def ndarray(
     ``address=(partition_offset, free_offset)`` places an SBUF or PSUM tile at that partition and byte
     of the core's memory instead of leaving it to the compiler: tiles whose addresses overlap share
     those bytes (the trace records the physical regions, so their hazards order the schedule), count
-    once towards capacity, and a tile that reads bytes another tile has written over raises
-    ``AliasingError``.
+    once towards capacity, and a tile that reads bytes it wrote which another tile placed over them has
+    written since raises ``AliasingError`` (bytes a tile never wrote read as uninitialized).
     """
     buffer = sbuf if buffer is None else buffer
     name = name or ""
@@ -859,6 +859,15 @@ def broadcast_to(x: Tensor, shape: Sequence[int], dtype: Any = None) -> Tensor:
     if x.on_chip and shape[0] != x.shape[0]:
         if x.shape[0] != 1:
             raise ValueError(f"nl.broadcast_to: cannot broadcast {list(x.shape)} to {list(shape)}")
+        limit = runtime.current().target.partitions
+        if shape[0] > limit:
+            raise rule(
+                "nl.broadcast_to",
+                "shape",
+                "partition dim exceeds the partition count",
+                partitions=shape[0],
+                limit=limit,
+            )
         x = _broadcast_partitions(x, shape[0], x.dtype if dtype is None else dtype)
     elif dtype is not None and dtypes.canonical(dtype) != x.dtype:
         x = _to_sbuf(x, dtype)

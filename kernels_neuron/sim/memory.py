@@ -96,7 +96,12 @@ class OnChipMemory:
                 )
             if kind not in self._memory_ids:
                 self._memory_ids[kind] = self._new_id()
-                self._last_writer[kind] = np.zeros((self.target.partitions, limit), dtype=np.int64)
+                self._last_writer[kind] = np.zeros((self.target.partitions, 0), dtype=np.int32)
+            writers = self._last_writer[kind]
+            if writers.shape[1] < byte + row:  # only as wide as the placed tiles reach
+                grown = np.zeros((self.target.partitions, byte + row), dtype=np.int32)
+                grown[:, : writers.shape[1]] = writers
+                self._last_writer[kind] = grown
             buf.placement = Placement(self._memory_ids[kind], partition, byte)
             buf.written_bytes = np.zeros((partitions, row), dtype=bool)
             box = (partition, partition + partitions, byte, byte + row)
@@ -130,7 +135,10 @@ class OnChipMemory:
             buf, written = t._buf, t._buf.written_bytes
             if buf.placement is None or written is None:
                 continue
-            rows, cols = _touched(t)
+            touched = _touched(t)
+            if touched is None:
+                continue
+            rows, cols = touched
             owners = self._last_writer[buf.kind][_shifted(rows, cols, buf.placement)]
             clobbered = written[rows, cols] & (owners != buf.id)
             if clobbered.any():
@@ -143,8 +151,11 @@ class OnChipMemory:
                 )
         for _, t in writes:
             buf, written = t._buf, t._buf.written_bytes
-            if buf.placement is not None and written is not None:
-                rows, cols = _touched(t)
+            if buf.placement is None or written is None:
+                continue
+            touched = _touched(t)
+            if touched is not None:
+                rows, cols = touched
                 self._last_writer[buf.kind][_shifted(rows, cols, buf.placement)] = buf.id
                 written[rows, cols] = True
 
@@ -159,9 +170,11 @@ class OnChipMemory:
                 live = sorted((u for u in self._usages[kind] if _spans(u, at)), key=lambda u: -u.nbytes)
                 shown = ", ".join(f"{u.label} {u.nbytes:,} B" for u in live[:4])
                 more = f" and {len(live) - 4} more" if len(live) > 4 else ""
+                where = self.trace.instructions[at]
                 self._over(
-                    f"nki.jit: live {kind.upper()} peaks at {peak:,} bytes per partition at instruction {at}, "
-                    f"over the {limit:,}-byte capacity of {self.target.name}; live there: {shown}{more}",
+                    f"nki.jit: live {kind.upper()} peaks at {peak:,} bytes per partition at instruction {at} "
+                    f"(nisa.{where.op}, program {list(where.program)}, rank {where.rank}), over the {limit:,}-byte "
+                    f"capacity of {self.target.name}; live there: {shown}{more}",
                     kind,
                     peak,
                 )
@@ -254,19 +267,34 @@ def region_of(buf: Buffer, view: np.ndarray) -> Region:
     return Region(placement.memory_id, box.p0 + p, box.p1 + p, box.b0 + b, box.b1 + b)
 
 
-def _touched(t: Tensor) -> tuple[Any, Any]:
+def _touched(t: Tensor) -> tuple[Any, Any] | None:
     """Index of the bytes a view of an on-chip tile touches, into a [partition, byte] array of the
     tile: its box when the view covers it whole, else the bytes of each element (a strided view's box
-    also holds bytes it skips)."""
-    buf, view = t._buf, t._view
+    also holds bytes it skips). For an ``.indirect()`` view, the bytes of the columns its offsets pick;
+    None while those offsets are uncomputed (a trace-only run cannot tell them)."""
+    buf, columns = t._buf, t._columns
+    if columns is not None:
+        if not columns.index_known():
+            return None
+        view = columns.base._view
+        offsets = view.__array_interface__["data"][0] - buf.data.__array_interface__["data"][0]
+        for index, stride in zip(columns.targets(), view.strides):
+            offsets = offsets + index * stride
+        return _element_bytes(np.asarray(offsets).reshape(-1), view.itemsize, buf.partition_bytes)
+    view = t._view
     box = box_of(buf, view)
     if view.size * view.itemsize == (box.p1 - box.p0) * (box.b1 - box.b0):
         return slice(box.p0, box.p1), slice(box.b0, box.b1)
     offsets = np.array([view.__array_interface__["data"][0] - buf.data.__array_interface__["data"][0]])
     for n, stride in zip(view.shape, view.strides):
         offsets = (offsets[:, None] + np.arange(n) * stride).reshape(-1)
-    offsets = (offsets[:, None] + np.arange(view.itemsize)).reshape(-1)
-    return offsets // buf.partition_bytes, offsets % buf.partition_bytes
+    return _element_bytes(offsets, view.itemsize, buf.partition_bytes)
+
+
+def _element_bytes(offsets: np.ndarray, itemsize: int, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """(partition, byte) of every byte of the elements starting at these byte offsets in a tile."""
+    every = (offsets[:, None] + np.arange(itemsize)).reshape(-1)
+    return every // row, every % row
 
 
 def _shifted(rows: Any, cols: Any, placement: Placement) -> tuple[Any, Any]:

@@ -17,8 +17,8 @@ from .trace import Instruction, Operand, Trace
 if TYPE_CHECKING:
     from .tensor import Tensor
 
-# What last wrote each PSUM element: nc_matmul tells overwrite from accumulate by it, and
-# NeuronCore-v2/v3 cannot accumulate onto a value written by another instruction.
+# What last wrote each PSUM element: nc_matmul tells overwrite from accumulate by it, and warns when
+# it accumulates on NeuronCore-v2/v3 onto a value another instruction wrote (undefined there, by the docs).
 PSUM_UNWRITTEN, PSUM_BY_MATMUL, PSUM_BY_OTHER = 0, 1, 2
 HBM_KINDS = ("hbm", "shared_hbm", "private_hbm")
 

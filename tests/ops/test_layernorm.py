@@ -187,7 +187,8 @@ def test_rows_too_wide_for_sbuf_stream_through_and_match_torch_tightly():
     dx, dw, db = backward.outputs
     # x twice, and the weight and bias broadcast to the 128 partitions once
     assert sum(i.hbm_bytes_read for i in forward.trace) == 2 * x.nbytes + 128 * (w.nbytes + b.nbytes)
-    assert sum(i.hbm_bytes_read for i in backward.trace) >= 2 * (x.nbytes + dy.nbytes)
+    # x and dy twice, the weight broadcast once, and each row's mean and rstd
+    assert sum(i.hbm_bytes_read for i in backward.trace) == 2 * (x.nbytes + dy.nbytes) + 128 * w.nbytes + 2 * rows * 4
     leaves = [torch.from_numpy(t).requires_grad_() for t in (x, w, b)]
     want = layer_norm_reference(*leaves, EPS)
     want.backward(torch.from_numpy(dy))
@@ -243,3 +244,24 @@ def test_bad_input_gets_a_clear_error(make, match):
     x, w, b = make()
     with pytest.raises((TypeError, ValueError), match=match):
         layer_norm(x, w, b, EPS)
+
+
+@pytest.mark.parametrize("with_weight, with_bias", [(True, False), (False, True), (False, False)])
+def test_streamed_rows_without_a_weight_or_a_bias_match_torch(with_weight, with_bias):
+    """The streamed forward and backward (fp32 rows of 16385) with the weight or the bias absent."""
+    hidden, rows = 16385, 3
+    rng = np.random.default_rng(2)
+    x, dy = (rng.standard_normal((rows, hidden)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(hidden).astype(np.float32) if with_weight else None
+    b = rng.standard_normal(hidden).astype(np.float32) if with_bias else None
+    out, mean, rstd = sim.run(kernels.layernorm_fwd, x, w, b, EPS).outputs
+    dx, dw, db = sim.run(kernels.layernorm_bwd, dy, x, w, mean, rstd).outputs
+    leaves = [torch.from_numpy(t).requires_grad_() if t is not None else None for t in (x, w, b)]
+    want = layer_norm_reference(*leaves, EPS)
+    want.backward(torch.from_numpy(dy))
+    torch.testing.assert_close(torch.from_numpy(out), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(dx), leaves[0].grad, rtol=1e-4, atol=1e-4)
+    if with_weight:
+        torch.testing.assert_close(torch.from_numpy(dw), leaves[1].grad, rtol=1e-4, atol=1e-4)
+    if with_bias:
+        torch.testing.assert_close(torch.from_numpy(db), leaves[2].grad, rtol=1e-4, atol=1e-4)

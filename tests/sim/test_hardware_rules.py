@@ -3,7 +3,7 @@
 Each error must name the instruction, the operand and the offending value / limit, so the
 ``match=`` patterns below check all three. Where a rule has a legal neighbour (DMA may start
 anywhere, trn3 takes wider matmuls ...) the neighbour is run too, so a simulator that simply
-rejected everything would fail. Also here: SBUF/PSUM capacity tracking and uninitialized memory.
+rejected everything would fail. Also here: uninitialized memory (capacity and placement: test_memory.py).
 """
 
 from __future__ import annotations

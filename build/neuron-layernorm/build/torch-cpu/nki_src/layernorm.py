@@ -56,8 +56,9 @@ CENTRED_SHARE = (1, 3)
 G_ON_GPSIMD = (5, 8)
 DX_ON_VECTOR = (5, 8)
 GROUP = 2  # chunks whose pass-1 temporaries are alive at once in the backward (bounds its SBUF use)
-# Rows too wide for SBUF to hold (fp32 rows beyond about 10K, any beyond about 16K) stream through in
-# chunks of STREAM_CHUNK columns, STREAM_BUFFERS of them in flight (double buffering).
+# Rows SBUF cannot hold with their result (where depends on the dtypes and the target: forward_bytes and
+# lean_backward_bytes; on trn1 from about 10K columns all fp32, 18K all bf16) stream through in chunks of
+# STREAM_CHUNK columns, STREAM_BUFFERS of them in flight (double buffering).
 STREAM_CHUNK = 1024
 STREAM_BUFFERS = 2
 MIN_HIDDEN = 1
@@ -251,6 +252,13 @@ class _RowTile(nl.NKIObject):
             )
 
 
+def _load_columns(tensor, r0, rows, c0, c):
+    """Rows [r0, r0 + rows), columns [c0, c0 + c) of an HBM tensor, into a new SBUF tile."""
+    chunk = nl.ndarray((rows, c), tensor.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=chunk, src=tensor[r0 : r0 + rows, c0 : c0 + c])
+    return chunk
+
+
 class _StreamedRows(_RowTile):
     """Up to 128 rows too wide for SBUF to hold them with their result: x streams through twice, once
     for the statistics (bn_stats piece by piece) and once to normalise, STREAM_CHUNK columns at a time,
@@ -277,9 +285,7 @@ class _StreamedRows(_RowTile):
         self.mean, self.rstd, self.shift = _normalizers(moments, rows, eps_column)
 
     def _load(self, c0, c):
-        chunk = nl.ndarray((self.rows, c), self.x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=chunk, src=self.x[self.r0 : self.r0 + self.rows, c0 : c0 + c])
-        return chunk
+        return _load_columns(self.x, self.r0, self.rows, c0, c)
 
     def normalize(self, out, mean_out, rstd_out, w, b, chunks):
         for c0, c in chunks:
@@ -455,9 +461,7 @@ class _GradientRows(nl.NKIObject):
         self.dy = None  # pass 2 does not read dy: its SBUF is free for the next tile
 
     def _load(self, tensor, c0, c):
-        chunk = nl.ndarray((self.rows, c), tensor.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=chunk, src=tensor[self.r0 : self.r0 + self.rows, c0 : c0 + c])
-        return chunk
+        return _load_columns(tensor, self.r0, self.rows, c0, c)
 
     def _x(self, c0, c):
         return self.tile[:, c0 : c0 + c] if self.tile is not None else self._load(self.x_hbm, c0, c)
@@ -606,7 +610,9 @@ def layernorm_bwd(dy, x, weight, mean, rstd):
         columns), GpSimd adds g * rstd.
         Where SBUF holds three row tiles (``_BackwardPlan``), the next tile loads while this one works and
         a tile's pass 2 is issued inside the next tile's pass 1, so each engine's in-order queue has work
-        whose inputs are ready; otherwise tiles go one at a time with dy streamed chunk by chunk.
+        whose inputs are ready; otherwise tiles go one at a time with dy streamed chunk by chunk; and where
+        SBUF cannot hold even x's row (``_BackwardPlan.streamed``), x streams too, in STREAM_CHUNK columns,
+        read in both passes, and pass 2 forms g * rstd again instead of keeping it.
     """
     check_shapes(
         x.shape, x.dtype, None if weight is None else weight.shape, None if weight is None else weight.dtype, None, None
