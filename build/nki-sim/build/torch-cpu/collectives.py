@@ -564,8 +564,23 @@ def _receive(
     return counts
 
 
-def _write_recv_counts(instr: str, row: Tensor, counts: list[int]) -> None:
-    row.write(np.asarray(counts, dtype=np.uint32).reshape(row.shape), instr)
+def _finish_v(
+    instr: str,
+    run: runtime.Run,
+    op: str,
+    operands: tuple[Tensor, Tensor, Tensor, Tensor],
+    counts: list[int],
+    recv_counts_known: bool,
+    group: tuple[int, ...],
+) -> None:
+    """A v-form's end: the received counts into metadata row 2 (unless ``recv_counts_known``), and the
+    trace record. ``operands``: src, dst, the metadata tensor and its row 2."""
+    src, dst, metadata, counts_row = operands
+    writes = [("dsts[0]", dst)]
+    if not recv_counts_known:
+        counts_row.write(np.asarray(counts, dtype=np.uint32).reshape(counts_row.shape), instr)
+        writes.append(("metadata_tensor", counts_row))
+    _record(run, op, [("srcs[0]", src), ("metadata_tensor", metadata)], writes, group)
 
 
 def all_gather_v(
@@ -607,11 +622,7 @@ def all_gather_v(
     slot = dst.size // len(group)
     chunks = [posts[rank] for rank in group]
     counts = _receive(instr, flat_dst, chunks, [p * slot for p in range(len(group))], slot)
-    writes = [("dsts[0]", dst)]
-    if not recv_counts_known:
-        _write_recv_counts(instr, row(2), counts)
-        writes.append(("metadata_tensor", row(2)))
-    _record(run, "all_gather_v", [("srcs[0]", src), ("metadata_tensor", metadata)], writes, group)
+    _finish_v(instr, run, "all_gather_v", (src, dst, metadata, row(2)), counts, recv_counts_known, group)
 
 
 def all_to_all_v(
@@ -645,12 +656,7 @@ def all_to_all_v(
         counts = _receive(instr, flat_dst, chunks, _row(instr, row(3)), None)
     else:
         counts = _receive(instr, flat_dst, chunks, [p * slot for p in range(len(group))], slot)
-    reads = [("srcs[0]", src), ("metadata_tensor", metadata)]
-    writes = [("dsts[0]", dst)]
-    if not recv_counts_known:
-        _write_recv_counts(instr, row(2), counts)
-        writes.append(("metadata_tensor", row(2)))
-    _record(run, "all_to_all_v", reads, writes, group)
+    _finish_v(instr, run, "all_to_all_v", (src, dst, metadata, row(2)), counts, recv_counts_known, group)
 
 
 def _check_all_to_all_v_topology(instr: str, run: runtime.Run, group: tuple[int, ...], has_rdispls: bool) -> None:
