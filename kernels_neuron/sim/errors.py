@@ -53,3 +53,11 @@ def rule(instruction: str, operand: str, problem: str, **facts: Any) -> NkiValid
     if detail:
         message += f" ({detail})"
     return NkiValidationError(message)
+
+
+def too_old(instruction: str, operand: str, target: str, generation: int, what: str = "") -> NkiValidationError:
+    """The error for a feature of NeuronCore-v``generation`` and newer used on an older ``target``:
+    ``nisa.rand2: target: rand2 needs NeuronCore-v4 or newer (target=trn2)``."""
+    return rule(
+        instruction, operand, f"{what + ' ' if what else ''}needs NeuronCore-v{generation} or newer", target=target
+    )

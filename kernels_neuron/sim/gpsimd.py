@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes, operands, runtime
-from .errors import rule
+from .errors import rule, too_old
 from .tensor import Tensor
 
 PARTITIONS_PER_CORE = 16
@@ -173,7 +173,7 @@ def nonzero_with_count(
     instr = "nisa.nonzero_with_count"
     run = runtime.current()
     if run.target.generation < 3:
-        raise rule(instr, "target", "needs NeuronCore-v3 or newer", target=run.target.name)
+        raise too_old(instr, "target", run.target.name, 3)
     dst, src = _sbuf_tile(dst, instr, "dst"), _sbuf_tile(src, instr, "src")
     _dtype_in(src, instr, "src", ("float32", "int32"))
     _dtype_in(dst, instr, "dst", ("int32",))

@@ -33,7 +33,7 @@ from .enums import (  # noqa: F401
     unknown_engine,
     vector_engine,
 )
-from .errors import AccumulateOntoNonMatmulWarning, AccumulateUninitializedWarning, NkiValidationError, rule
+from .errors import AccumulateOntoNonMatmulWarning, AccumulateUninitializedWarning, NkiValidationError, rule, too_old
 from .gpsimd import local_gather, nonzero_with_count, sequence_bounds, topk
 from .mx import nc_matmul_mx, quantize_mx
 from .ops import ALL as _OPS
@@ -188,7 +188,7 @@ def dma_copy(
     if dst.size != src.size:
         raise rule(instr, "dst/src", "element counts differ", dst=list(dst.shape), src=list(src.shape))
     if dge_mode == _DGE.hwdge and not run.target.has_hwdge:
-        raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=run.target.name)
+        raise too_old(instr, "dge_mode", run.target.name, 3, "hardware DGE")
     skip = oob_mode == _OOB.skip
     if run.numerics or (run.computed(src._buf) and _indices_computed(run, src, dst)):
         # Data movement stays exact in a trace-only run wherever its source and indices are: a
@@ -322,7 +322,7 @@ def _check_transpose_dge(instr: str, src: Tensor, mode: dge_mode, target: Any) -
         if src.buffer not in runtime.HBM_KINDS:
             raise rule(instr, "src", "an indirect transpose gathers from HBM", buffer=src.buffer)
         if target.generation < 3:
-            raise rule(instr, "src", "an indirect transpose needs NeuronCore-v3 or newer", target=target.name)
+            raise too_old(instr, "src", target.name, 3, "an indirect transpose")
         if src.shape[-1] > 128:
             raise rule(instr, "src", "an indirect transpose moves at most 128 elements per row", shape=list(src.shape))
         return
@@ -331,7 +331,7 @@ def _check_transpose_dge(instr: str, src: Tensor, mode: dge_mode, target: Any) -
     if mode != _DGE.hwdge:
         return
     if not target.has_hwdge:
-        raise rule(instr, "dge_mode", "hardware DGE needs NeuronCore-v3 or newer", target=target.name)
+        raise too_old(instr, "dge_mode", target.name, 3, "hardware DGE")
     rows = src.shape[0]
     legal_rows = rows == 16 if src.ndim == 2 else rows in (1, 2, 4, 8, 16) and rows * src.shape[-2] % 16 == 0
     if not legal_rows or src.shape[-1] > 128:
@@ -502,7 +502,7 @@ def nc_matmul(
     m, n = stationary.free_size, moving.free_size
     if double_row:
         if not target.has_fp8_double_row:
-            raise rule(instr, "perf_mode", "double_row needs NeuronCore-v3 or newer", target=target.name)
+            raise too_old(instr, "perf_mode", target.name, 3, "double_row")
         if s_dt not in ("float8_e4m3", "float8_e5m2", "float8_e4m3fn") or m_dt not in (
             "float8_e4m3",
             "float8_e5m2",
@@ -1342,7 +1342,7 @@ def activate2(
     instr = "nisa.activate2"
     run = runtime.current()
     if run.target.generation < 4:
-        raise rule(instr, "target", "activate2 needs NeuronCore-v4 (trn3)", target=run.target.name)
+        raise too_old(instr, "target", run.target.name, 4, "activate2")
     fn = as_activation(op, instr)
     first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
     if (first.name, second.name) not in _ACTIVATE2_COMBOS:
@@ -1467,7 +1467,7 @@ def range_select(
     instr = "nisa.range_select"
     run = runtime.current()
     if run.target.generation < 3:
-        raise rule(instr, "target", "range_select needs NeuronCore-v3 or newer", target=run.target.name)
+        raise too_old(instr, "target", run.target.name, 3, "range_select")
     c0, c1 = as_alu(comp_op0, instr, "comp_op0"), as_alu(comp_op1, instr, "comp_op1")
     for role, c in (("comp_op0", c0), ("comp_op1", c1)):
         if c.name not in _RANGE_COMPARE:
@@ -1770,7 +1770,7 @@ def exponential(
     instr = "nisa.exponential"
     run = runtime.current()
     if not run.target.has_exponential:
-        raise rule(instr, "target", "exponential needs NeuronCore-v4 (trn3)", target=run.target.name)
+        raise too_old(instr, "target", run.target.name, 4, "exponential")
     dst, src = operands.compute_tile(dst, instr, "dst", "vector"), operands.compute_tile(src, instr, "src", "vector")
     operands.same_layout(instr, "dst", dst, "src", src)
     indirection.check_lanes(instr, dst, "src", src)
@@ -1842,7 +1842,7 @@ def rand2(dst: Tensor, min: Any, max: Any, name: str | None = None) -> None:
     instr = "nisa.rand2"
     run = runtime.current()
     if run.target.generation < 4:
-        raise rule(instr, "target", "rand2 needs NeuronCore-v4 (trn3)", target=run.target.name)
+        raise too_old(instr, "target", run.target.name, 4, "rand2")
     dst = operands.compute_tile(dst, instr, "dst", "vector")
     parts = dst.partition_size
     lo = operands.scalar_or_vector(min, instr, "min", parts, "vector")

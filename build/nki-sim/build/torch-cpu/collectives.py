@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes, operands, runtime
-from .errors import rule
+from .errors import rule, too_old
 from .isa import VirtualRegister
 from .language import NKIObject
 from .ops import Op, as_alu
@@ -87,7 +87,7 @@ def _check_priority(instr: str, run: runtime.Run, priority: Any) -> None:
     if priority is None:
         return
     if run.target.generation < PRIORITY_MIN_GENERATION:
-        raise rule(instr, "priority", "DMA priority needs NeuronCore-v4 or newer", target=run.target.name)
+        raise too_old(instr, "priority", run.target.name, 4, "DMA priority")
     if int(priority) not in PRIORITY_LEVELS:
         raise rule(instr, "priority", "must be a level from 0 to 3", value=priority)
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import dtypes, runtime
-from .errors import rule
+from .errors import rule, too_old
 from .tensor import Tensor
 
 QUADRANT = 32
@@ -70,7 +70,7 @@ def bind(t: Tensor, instr: str, role: str, engine: str) -> Tensor:
     check_accepted(t, instr, role)
     target = runtime.current().target
     if target.generation < 4:
-        raise rule(instr, role, "tensor indirection needs NeuronCore-v4 or newer", target=target.name)
+        raise too_old(instr, role, target.name, 4, "tensor indirection")
     engines = OPERANDS[instr][1]
     if engine not in engines:
         raise rule(instr, "engine", "with tensor indirection it runs on " + "/".join(engines) + " only", engine=engine)

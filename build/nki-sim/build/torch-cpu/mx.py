@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from . import dtypes, indirection, operands, runtime
-from .errors import rule
+from .errors import rule, too_old
 from .tensor import Tensor
 
 GROUP_PARTITIONS = 8  # a scaling group spans 8 partitions x one x4 element
@@ -43,7 +43,7 @@ _SCALE_DTYPES = ("float8_e8m0fnu", "uint8")
 def _check_nc_v4(instr: str) -> runtime.Run:
     run = runtime.current()
     if run.target.generation < 4:
-        raise rule(instr, "target", "needs NeuronCore-v4 (trn3)", target=run.target.name)
+        raise too_old(instr, "target", run.target.name, 4)
     return run
 
 

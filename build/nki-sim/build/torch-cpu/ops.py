@@ -15,7 +15,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import frontend, runtime
-from .errors import rule
+from .errors import rule, too_old
 
 Array = np.ndarray
 # What the engines' operator functions take: tiles' values, scalars, and [P, 1] columns (converted with np.asarray).
@@ -235,7 +235,7 @@ def as_alu(op: Any, instruction: str, role: str = "op") -> Op:
     if isinstance(resolved, Op) and resolved.binary is not None:
         run = runtime.active()
         if resolved.name in NEURONCORE_V4_OPS and run is not None and run.target.generation < 4:
-            raise rule(instruction, role, f"nl.{resolved.name} needs NeuronCore-v4 (trn3)", target=run.target.name)
+            raise too_old(instruction, role, run.target.name, 4, f"nl.{resolved.name}")
         return resolved
     raise _bad_op(instruction, role, op, "an ALU operator (nl.add, nl.multiply, nl.maximum, ...)")
 

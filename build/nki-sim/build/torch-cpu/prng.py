@@ -12,7 +12,7 @@ import numpy as np
 
 from . import dtypes, operands, runtime
 from .enums import engine
-from .errors import rule
+from .errors import rule, too_old
 from .tensor import Tensor
 
 WORDS_PER_GENERATOR = 6
@@ -26,7 +26,7 @@ def _engines(run: runtime.Run) -> tuple[str, ...]:
 
 def _check_target(instr: str, run: runtime.Run) -> None:
     if run.target.generation < 3:
-        raise rule(instr, "target", "needs NeuronCore-v3 or newer", target=run.target.name)
+        raise too_old(instr, "target", run.target.name, 3)
 
 
 def _check_state_tile(instr: str, role: str, t: Tensor, eng: str) -> None:
