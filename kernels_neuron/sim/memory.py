@@ -5,8 +5,11 @@ Capacity. The compiler gives a tile (``nl.ndarray`` without ``address=``) its sp
 tile holds data the kernel still needs and recycles it afterwards (AWS's tiling overview: tiles "will
 be automatically recycled by the compiler when no longer needed"). So a tile occupies its bytes per
 partition from the first instruction that touches it to the last one, and a tile no instruction
-touches occupies none. A tile placed with ``address=(partition, byte)`` occupies those bytes over the
-same span; placed tiles that share bytes count them once. When a program ends, the peak over its
+touches occupies none. It occupies only the partitions it takes: the architecture guide says the
+compiler's tensor allocator starts a tile of 33..64 partitions at partition 0 or 64 and a smaller one at
+0, 32, 64 or 96, and the model gives each tile the legal place holding the fewest bytes when its span
+starts (the real allocator's choice is not documented). A tile placed with ``address=(partition,
+byte)`` occupies those bytes over the same span; placed tiles that share bytes count them once. When a program ends, the peak over its
 instructions is checked against the target's capacity (a single tile larger than the capacity, or a
 placed tile reaching outside the memory, is refused at once).
 
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from .tensor import Tensor
 
 ON_CHIP = ("sbuf", "psum")
+QUADRANT = 32  # partitions: the unit of the start-partition rule
 
 
 class Placement(NamedTuple):
@@ -47,10 +51,11 @@ class Placement(NamedTuple):
 class TileUsage:
     """The span of instructions (trace indices) over which one on-chip tile holds its bytes."""
 
-    __slots__ = ("nbytes", "first", "last", "box", "label")
+    __slots__ = ("nbytes", "partitions", "first", "last", "box", "label")
 
-    def __init__(self, nbytes: int, box: tuple[int, int, int, int] | None, label: str) -> None:
+    def __init__(self, nbytes: int, partitions: int, box: tuple[int, int, int, int] | None, label: str) -> None:
         self.nbytes = nbytes  # bytes per partition
+        self.partitions = partitions
         self.first: int | None = None
         self.last = -1
         self.box = box  # (p0, p1, b0, b1) in physical memory for a placed tile, else None
@@ -105,7 +110,7 @@ class OnChipMemory:
             buf.placement = Placement(self._memory_ids[kind], partition, byte)
             buf.written_bytes = np.zeros((partitions, row), dtype=bool)
             box = (partition, partition + partitions, byte, byte + row)
-        buf.usage = TileUsage(row, box, what)
+        buf.usage = TileUsage(row, partitions, box, what)
         self._usages[kind].append(buf.usage)
 
     def touch(
@@ -162,7 +167,7 @@ class OnChipMemory:
     def finish(self) -> None:
         """The program ended: record each memory's peak in the trace and check it fits."""
         for kind in ON_CHIP:
-            peak, at = _peak(self._usages[kind])
+            peak, at = _peak(self._usages[kind], self.target.partitions)
             field = "sbuf_peak_bytes" if kind == "sbuf" else "psum_peak_bytes"
             setattr(self.trace, field, max(getattr(self.trace, field), peak))
             limit = self.limit(kind)
@@ -191,13 +196,25 @@ def _spans(usage: TileUsage, index: int) -> bool:
     return usage.first is not None and usage.first <= index <= usage.last
 
 
-def _peak(usages: list[TileUsage]) -> tuple[int, int]:
+def _quadrants(partitions: int, total: int) -> list[range]:
+    """Where the compiler may put a tile of ``partitions`` partitions, as ranges of 32-partition quadrants:
+    the architecture guide's start-partition rule (over 64 partitions from 0; 33..64 from 0 or 64; up to
+    32 from 0, 32, 64 or 96), which it says the compiler's tensor allocator follows."""
+    span = -(-partitions // QUADRANT)
+    starts = (0,) if partitions > 2 * QUADRANT else (0, 2) if partitions > QUADRANT else range(total // QUADRANT)
+    return [range(start, start + span) for start in starts]
+
+
+def _peak(usages: list[TileUsage], partitions: int) -> tuple[int, int]:
     """The most bytes per partition the tiles hold at once, and the first instruction where they do:
-    swept over the instructions where a span starts (the peak is at one of them)."""
+    swept over the instructions where a span starts (the peak is at one of them). A tile counts on the
+    partitions it takes: one placed at an address on its own, one the compiler places on the legal
+    quadrants (``_quadrants``) that hold the fewest bytes when its span starts."""
     used = sorted((u for u in usages if u.first is not None), key=lambda u: u.first)  # type: ignore[arg-type,return-value]
     ending: list[tuple[int, int]] = []  # (last, position in ``used``) of the spans still open
     placed: dict[int, tuple[int, int, int, int]] = {}
-    compiler_placed = 0
+    chosen: dict[int, range] = {}  # quadrants of the compiler-placed tiles still open
+    load = [0] * (partitions // QUADRANT)  # their bytes per partition, by quadrant
     best, at = 0, -1
     for position, usage in enumerate(used):
         start = usage.first
@@ -205,18 +222,29 @@ def _peak(usages: list[TileUsage]) -> tuple[int, int]:
         while ending and ending[0][0] < start:
             _, gone = heapq.heappop(ending)
             if used[gone].box is None:
-                compiler_placed -= used[gone].nbytes
+                for q in chosen.pop(gone):
+                    load[q] -= used[gone].nbytes
             else:
                 del placed[gone]
         heapq.heappush(ending, (usage.last, position))
         if usage.box is None:
-            compiler_placed += usage.nbytes
+            quadrants = min(_quadrants(usage.partitions, partitions), key=lambda qs: max(load[q] for q in qs))
+            chosen[position] = quadrants
+            for q in quadrants:
+                load[q] += usage.nbytes
         else:
             placed[position] = usage.box
-        total = compiler_placed + (_union_bytes(list(placed.values())) if placed else 0)
+        total = max(load[q] + _placed_bytes(list(placed.values()), q) for q in range(len(load)))
         if total > best:
             best, at = total, start
     return best, at
+
+
+def _placed_bytes(boxes: list[tuple[int, int, int, int]], quadrant: int) -> int:
+    """Bytes per partition the placed tiles' boxes cover on the fullest partition of a quadrant."""
+    lo, hi = quadrant * QUADRANT, (quadrant + 1) * QUADRANT
+    inside = [(max(p0, lo), min(p1, hi), b0, b1) for p0, p1, b0, b1 in boxes if p0 < hi and lo < p1]
+    return _union_bytes(inside) if inside else 0
 
 
 def _union_bytes(boxes: list[tuple[int, int, int, int]]) -> int:

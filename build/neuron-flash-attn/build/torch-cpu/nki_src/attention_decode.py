@@ -59,8 +59,8 @@ CHUNK_BYTES = 4 * 1024  # K bytes per partition per chunk: a DMA saturates from 
 # A paged cache's chunks hold every KV head's keys, so they are large: up to PAGED_KEY_LOADS K tiles
 # are live (in use, prefetched, being freed) beside the ring of V buffers; PAGED_SBUF_RESERVE is left
 # for the rest (K^T, probabilities, queries). Measured: at T = 16, 8 KV heads, d = 128 the simulator's
-# SBUF peak (each tile counted from its first use to its last) is 208,876 of Trn2's 229,376 bytes per
-# partition.
+# SBUF peak (each tile counted from its first use to its last, on the partitions it takes) is 206,808
+# of Trn2's 229,376 bytes per partition.
 PAGED_KEY_LOADS = 3
 MAX_PAGED_SLOTS = 2**24  # the block table becomes slot indices in fp32 arithmetic, exact to 2**24
 PAGED_SBUF_RESERVE = 24 * 1024
