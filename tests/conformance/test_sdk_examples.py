@@ -11,6 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kernels_neuron import sim
+
 pytestmark = pytest.mark.conformance
 
 BF16 = ml_dtypes.bfloat16
@@ -53,6 +55,39 @@ def test_average_pool2d(load_example):
     x = np.arange(2 * 6 * 6, dtype=np.float32).reshape(2, 6, 6).astype(BF16)
     expected = x.astype(np.float32).reshape(2, 3, 2, 3, 2).mean(axis=(2, 4))
     np.testing.assert_array_equal(example.tensor_avgpool_kernel(x, 2).astype(np.float32), expected)
+
+
+def test_index_case_1_tensor_split(load_example):
+    """index-case-1.py's driver: a bf16 ``arange`` of shape (4, 5) split into even and odd columns; exact."""
+    example = load_example("index-case-1.py")
+    x = np.arange(4 * 5, dtype=np.float32).reshape(4, 5).astype(BF16)
+    even, odd = example.tensor_split_kernel_(x)
+    np.testing.assert_array_equal(even, x[:, 0::2])
+    np.testing.assert_array_equal(odd, x[:, 1::2])
+
+
+def test_index_case_3_maxpool(load_example):
+    """index-case-3.py's driver: a bf16 ``arange`` of shape (2, 6, 6), 2x2 max-pool through a 5-D access
+    pattern; exact."""
+    example = load_example("index-case-3.py")
+    x = np.arange(2 * 6 * 6, dtype=np.float32).reshape(2, 6, 6).astype(BF16)
+    expected = x.astype(np.float32).reshape(2, 3, 2, 3, 2).max(axis=(2, 4))
+    np.testing.assert_array_equal(example.tensor_maxpool_kernel_(x, 2).astype(np.float32), expected)
+
+
+def test_layout_pass_exp(load_example):
+    """layout-pass.py's driver: exp of a (128, 512) bf16 tile; within bf16 rounding."""
+    example = load_example("layout-pass.py")
+    x = np.random.default_rng(RNG_SEED).random((128, 512)).astype(BF16)
+    out = example.tensor_exp_kernel_(x).astype(np.float32)
+    np.testing.assert_allclose(out, np.exp(x.astype(np.float32)), rtol=2**-8)
+
+
+def test_layout_violation_is_refused_as_the_docs_show(load_example):
+    """layout-violation.py loads a (256, 512) tile, which the docs use to show the partition limit."""
+    example = load_example("layout-violation.py")
+    with pytest.raises(sim.NkiValidationError, match=r"partition dim \(dim 0\) exceeds the partition count"):
+        example.tensor_exp_kernel_(np.ones((256, 512), BF16))
 
 
 # matrix_multiplication_torch.py: the basic kernel at lhs (64, 128) x rhs (128, 512), the others at

@@ -367,3 +367,20 @@ def test_strict_lnc_takes_one_degree_of_1_or_2(grid, monkeypatch):
     sim.run(_spmd, DUMMY, grid=grid)  # the extension, outside strict mode
     sim.run(_spmd, DUMMY, grid=2, strict_lnc=True)
     sim.run(_spmd, DUMMY, strict_lnc=True)
+
+
+def test_tensor_scalar_on_gpsimd_takes_more_than_rsqrt_as_the_readme_states():
+    """A deliberate difference (README, "How it differs from hardware"): AWS's docstring allows an explicit
+    GpSimd engine for rsqrt only; the simulator accepts the arithmetic operators GpSimd implements, as this
+    project's attention kernel uses them, and computes them exactly."""
+
+    def kernel(x):
+        out = nl.ndarray((4, 8), nl.float32, buffer=nl.shared_hbm)
+        data, result = sb((4, 8), value=3.0), sb((4, 8), value=0.0)
+        nisa.tensor_scalar(result, data, nl.maximum, 5.0, op1=nl.divide, operand1=2.0, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=out, src=result)
+        return out
+
+    result = sim.run(kernel, DUMMY)
+    np.testing.assert_array_equal(result.outputs, 2.5)
+    assert [i.engine for i in result.trace if i.op == "tensor_scalar"] == ["gpsimd"]

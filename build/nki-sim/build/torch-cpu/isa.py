@@ -332,6 +332,8 @@ def _check_transpose_dge(instr: str, src: Tensor, mode: dge_mode, target: Any) -
         return
     if not target.has_hwdge:
         raise too_old(instr, "dge_mode", target.name, 3, "hardware DGE")
+    # The 0.6 API reference's shapes. AWS's DGE deep dive (nki-dge.rst) still says shape[0] == 16 and
+    # shape[-1] % 128 == 0; where two AWS pages disagree the newer API reference is followed.
     rows = src.shape[0]
     legal_rows = rows == 16 if src.ndim == 2 else rows in (1, 2, 4, 8, 16) and rows * src.shape[-2] % 16 == 0
     if not legal_rows or src.shape[-1] > 128:
