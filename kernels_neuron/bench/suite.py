@@ -367,9 +367,20 @@ def decode_paged_case(
     )
 
 
+_DRAW_CHUNK = 1 << 24  # fp32 values drawn at a time: the MoE cases draw over a billion weights
+
+
 def _draw(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
-    """Standard-normal bf16 values of ``shape`` scaled by ``scale`` (drawn in fp32, rounded once)."""
-    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
+    """Standard-normal bf16 values of ``shape`` scaled by ``scale`` (drawn in fp32, rounded once). Drawn
+    in chunks, which gives the same values and leaves ``rng`` where one draw would (its stream is
+    consumed in order), with a fraction of the fp32 memory and about a third less time."""
+    out = np.empty(shape, ml_dtypes.bfloat16)
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, _DRAW_CHUNK):
+        values = rng.standard_normal(min(_DRAW_CHUNK, flat.size - start), dtype=np.float32)
+        values *= np.float32(scale)
+        flat[start : start + values.size] = values.astype(ml_dtypes.bfloat16)
+    return out
 
 
 def _mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int) -> tuple:
