@@ -498,7 +498,7 @@ def _moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, 
     weights, index = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     layout = routing_layout(index, weights, experts, hidden, inter, torch.bfloat16, backward=backward)
-    tables = (layout.block_info, layout.slot_token, layout.slot_row, layout.slot_weight)
+    tables = layout.tables
     if not backward:
         return (x, w_gate_up, w_down) + tuple(t.numpy() for t in tables)
     idle = (layout.counts == 0).to(torch.int32)[:, None]

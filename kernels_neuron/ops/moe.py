@@ -61,6 +61,11 @@ class RoutingLayout(NamedTuple):
     slot_weight: torch.Tensor
     counts: torch.Tensor
 
+    @property
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The four tables the kernels take, in their argument order."""
+        return self.block_info, self.slot_token, self.slot_row, self.slot_weight
+
 
 def routing_layout(
     top_k_index: torch.Tensor,
@@ -165,10 +170,7 @@ def moe_fwd(
         x,
         w_gate_up,
         w_down,
-        layout.block_info,
-        layout.slot_token,
-        layout.slot_row,
-        layout.slot_weight,
+        *layout.tables,
         top_k_index.shape[1],
         activation,
     )
@@ -207,10 +209,7 @@ def moe_bwd(
         x,
         w_gate_up,
         w_down,
-        layout.block_info,
-        layout.slot_token,
-        layout.slot_row,
-        layout.slot_weight,
+        *layout.tables,
         idle,
         top_k,
         activation,
