@@ -116,6 +116,7 @@ def _bench(args: argparse.Namespace) -> int:
             name_filter=args.filter,
             progress=sys.stderr.isatty(),
             check_numerics=args.check_numerics,
+            jobs=args.jobs or bench.usable_cpus(),
         )
     except ValueError as exc:
         console.print(f"[red]{exc}[/]; cases: " + ", ".join(c.name for c in cases))
@@ -281,6 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also simulate each case in full (the engines' arithmetic; slow) and check it leaves the "
         "trace-only run's trace",
+    )
+    bench_cmd.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="cases simulated at once, in worker processes (default: one per usable CPU; one where a "
+        "Trainium device is timed)",
     )
     bench_cmd.set_defaults(run=_bench)
     build_cmd = commands.add_parser("build", help="regenerate build/ (the Hub repos) from the sources")

@@ -5,11 +5,16 @@ instruction, as a full simulation, and so the same modelled figures."""
 
 import dataclasses
 import json
+import pickle
 
+import numpy as np
 import pytest
 from test_bench_references import SMALL
 
 from kernels_neuron import bench, cost, sim
+
+sim.install()
+import nki  # noqa: E402
 from kernels_neuron.bench.calibration import fully_optimized
 from kernels_neuron.cli import main
 
@@ -19,15 +24,62 @@ CASES = [pytest.param(c, marks=pytest.mark.slow) if c.kernel is fully_optimized 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_trace_only_leaves_the_full_simulations_trace_and_modelled_figures(case):
-    inputs = case.make_inputs(0)
-    full = sim.run(case.kernel, *inputs, grid=case.grid, **case.kwargs)
-    trace_only = sim.run(case.kernel, *inputs, grid=case.grid, numerics=False, **case.kwargs)
+    """The bench's trace-only run, on the stand-in inputs it takes, against a full run on real values."""
+    full = sim.run(case.kernel, *case.make_inputs(0), grid=case.grid, **case.kwargs)
+    stand_ins = case.make_inputs(0, values=False)
+    trace_only = sim.run(case.kernel, *stand_ins, grid=case.grid, numerics=False, **case.kwargs)
     assert full.numerics and not trace_only.numerics and trace_only.outputs is None
     assert len(trace_only.trace) > 0
     assert bench.trace_difference(trace_only.trace, full.trace) is None
     assert cost.estimate_trace(trace_only.trace, "trn2", flops=case.standard_flops) == cost.estimate_trace(
         full.trace, "trn2", flops=case.standard_flops
     )
+
+
+@pytest.mark.parametrize("case", SMALL, ids=lambda c: c.name)
+def test_stand_in_inputs_keep_shapes_dtypes_and_what_the_trace_depends_on(case):
+    """``values=False`` zeros the drawn floating-point data (the largest input among them): a block
+    table, an MoE routing (its weights too), the scalars are the ones the real inputs carry."""
+    real, stand_ins = case.make_inputs(0), case.make_inputs(0, values=False)
+    assert len(real) == len(stand_ins)
+    zeroed = []
+    for a, b in zip(real, stand_ins):
+        if not isinstance(a, np.ndarray):
+            assert a == b
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if not np.array_equal(a, b):
+            assert a.dtype.kind not in "iub" and not np.any(b.astype(np.float32)), "only drawn data may differ"
+            zeroed.append(a.size)
+    assert zeroed and max(zeroed) == max(a.size for a in real if isinstance(a, np.ndarray))
+
+
+def test_kernels_pickle_by_reference_for_worker_processes():
+    case = _small("mlp-fwd/silu")
+    for kernel in (case.kernel, case.kernel[2]):
+        copy = pickle.loads(pickle.dumps(kernel))
+        assert copy.func is kernel.func and copy.grid == kernel.grid and copy.options == kernel.options
+
+    @nki.jit
+    def local_kernel(x):
+        return x
+
+    with pytest.raises(pickle.PicklingError, match="local_kernel"):
+        pickle.dumps(local_kernel)
+
+
+def test_parallel_suite_runs_give_the_serial_records_in_order():
+    cases = [_small("rmsnorm-fwd/llama"), _small("attention-fwd/causal"), _small("mlp-fwd/silu")]
+    serial = bench.run_suite(cases, progress=False)
+    parallel = bench.run_suite(cases, progress=False, jobs=2)
+
+    def modelled(records):
+        return [{k: v for k, v in r.as_dict().items() if k != "sim_wall_s"} for r in records]
+
+    assert [r.name for r in parallel] == [c.name for c in cases]
+    assert modelled(parallel) == modelled(serial)
+    with pytest.raises(ValueError, match="jobs must be at least 1"):
+        bench.run_suite(cases, jobs=0)
 
 
 def _small(name):

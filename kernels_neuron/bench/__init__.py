@@ -20,6 +20,7 @@ from .runner import (
     run_suite,
     torch_inputs,
     trace_difference,
+    usable_cpus,
 )
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "torch_inputs",
     "trace_difference",
     "TraceMismatch",
+    "usable_cpus",
     "render_table",
     "write_json",
     "plot_roofline",

@@ -180,7 +180,11 @@ STAGES = (
 )
 
 
-def operands(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def operands(m: int, k: int, n: int, seed: int = 0, values: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The matmul's bf16 operands ``lhs_t [k, m]`` and ``rhs [k, n]``, standard normal; zeros without
+    ``values`` (a trace-only run's stand-in, see :class:`~kernels_neuron.bench.case.Case`)."""
+    if not values:
+        return np.zeros((k, m), ml_dtypes.bfloat16), np.zeros((k, n), ml_dtypes.bfloat16)
     rng = np.random.default_rng(seed)
     return (
         rng.standard_normal((k, m)).astype(ml_dtypes.bfloat16),

@@ -26,8 +26,11 @@ class NkiKernel(Protocol):
 class Case:
     """One kernel on one shape from a real model, beside the PyTorch computation it replaces.
 
-    ``make_inputs(seed)`` returns the kernel's positional arguments (arrays as NumPy arrays);
-    ``kwargs`` are passed to the kernel unchanged. ``prepare_reference`` takes exactly the kernel's
+    ``make_inputs(seed, values=True)`` returns the kernel's positional arguments (arrays as NumPy
+    arrays); ``kwargs`` are passed to the kernel unchanged. With ``values=False`` the floating-point
+    data are zeros of the same shapes and dtypes (allocated, never drawn or computed): a trace-only run
+    does not read them, and drawing a full-size model's weights takes longer than simulating the kernel.
+    What the trace depends on (a block table, an MoE routing) is the same either way. ``prepare_reference`` takes exactly the kernel's
     arguments and keyword arguments, with the arrays as torch tensors, and returns the call a device
     timing loop repeats: the PyTorch computation the kernel replaces, returning what the kernel
     returns (the leading outputs, where the kernel also returns state saved for a backward). Work
@@ -36,7 +39,7 @@ class Case:
 
     name: str
     kernel: NkiKernel
-    make_inputs: Callable[[int], tuple]
+    make_inputs: Callable[..., tuple]  # (seed: int, values: bool = True) -> the kernel's arguments
     shape: dict[str, int | float | str]  # the dimensions, and options that shape the work (window, packing)
     dtype: str
     model: str

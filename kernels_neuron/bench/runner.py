@@ -7,8 +7,12 @@ same trace, instruction by instruction."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import partial
 from typing import Any
 
@@ -112,8 +116,10 @@ def run_case(
 
     ``check_numerics`` also simulates it in full first (the engines' arithmetic, as a kernel call
     does) and raises :class:`TraceMismatch` unless the trace-only run left the same trace; the
-    record's ``sim_wall_s`` then counts both simulations."""
-    inputs = case.make_inputs(seed)
+    record's ``sim_wall_s`` then counts both simulations. A trace-only run alone takes the case's
+    stand-in inputs (``Case.make_inputs(seed, values=False)``)."""
+    on_device = device_available() if on_device is None else on_device
+    inputs = case.make_inputs(seed, values=check_numerics or on_device)
     wall = 0.0
     if check_numerics:
         full, wall = simulate(case, inputs, target, numerics=True)
@@ -146,9 +152,15 @@ def run_case(
         instructions=report.instructions,
         simulation=CHECKED if check_numerics else TRACE_ONLY,
     )
-    if device_available() if on_device is None else on_device:
+    if on_device:
         record.measured_us, record.reference_measured_us = _measure(case, inputs)
     return record
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def run_suite(
@@ -157,21 +169,53 @@ def run_suite(
     name_filter: str | None = None,
     progress: bool = True,
     check_numerics: bool = False,
+    jobs: int = 1,
 ) -> list[Record]:
     """Run every case whose name contains ``name_filter``, with a progress bar (``check_numerics``:
-    see :func:`run_case`)."""
+    see :func:`run_case`). ``jobs`` > 1 simulates that many cases at once in worker processes (the
+    cases must pickle: module-level kernels and functions); the records come back in the cases' order.
+    Where a device is present the cases run one at a time, so that no timing shares the host."""
     chosen = [c for c in cases if name_filter is None or name_filter.lower() in c.name.lower()]
     if not chosen:
         raise ValueError(f"no benchmark case matches filter {name_filter!r}")
-    if not progress:
-        return [run_case(c, target, check_numerics=check_numerics) for c in chosen]
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    run = partial(run_case, target=target, check_numerics=check_numerics)
+    jobs = 1 if device_available() else min(jobs, len(chosen))
+    with contextlib.ExitStack() as stack:
+        advance = _progress_bar(stack, len(chosen)) if progress else None
+        if jobs == 1:
+            records = []
+            for case in chosen:
+                if advance is not None:
+                    advance(case.name, done=False)
+                records.append(run(case))
+                if advance is not None:
+                    advance(case.name, done=True)
+            return records
+        # Spawned workers import what they need (a forked one would inherit torch's thread pools);
+        # each installs the simulator first, as the suite module does on import.
+        pool = stack.enter_context(
+            ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=sim.install)
+        )
+        futures = {pool.submit(run, case): index for index, case in enumerate(chosen)}
+        by_index: dict[int, Record] = {}
+        for future in as_completed(futures):
+            index = futures[future]
+            by_index[index] = future.result()
+            if advance is not None:
+                advance(chosen[index].name, done=True)
+        return [by_index[i] for i in range(len(chosen))]
+
+
+def _progress_bar(stack: contextlib.ExitStack, total: int) -> Callable[..., None]:
+    """A rich progress bar over ``total`` cases, closed with ``stack``; returns its update call."""
     from rich.progress import Progress
 
-    records = []
-    with Progress(transient=True) as bar:
-        task = bar.add_task("simulating + modelling", total=len(chosen))
-        for case in chosen:
-            bar.update(task, description=f"{case.name}")
-            records.append(run_case(case, target, check_numerics=check_numerics))
-            bar.advance(task)
-    return records
+    bar = stack.enter_context(Progress(transient=True))
+    task = bar.add_task("simulating + modelling", total=total)
+
+    def advance(name: str, done: bool) -> None:
+        bar.update(task, description=name, advance=1 if done else 0)
+
+    return advance

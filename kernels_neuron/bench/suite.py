@@ -40,9 +40,38 @@ from ..ops.rmsnorm import rms_norm_reference  # noqa: E402
 from .calibration import basic_tiled, blocked_free, fully_optimized, operands  # noqa: E402
 from .case import Case  # noqa: E402
 
+BF16 = ml_dtypes.bfloat16
 PREFILL_TOKENS = 2048
 DECODE_TOKENS = 128
 RMSNORM_EPS = 1e-6
+
+
+_DRAW_CHUNK = 1 << 24  # fp32 values drawn at a time: the MoE cases draw over a billion weights
+
+
+def _draw(
+    rng: np.random.Generator | None, *shape: int, scale: float = 1.0, offset: float = 0.0, dtype: Any = BF16
+) -> np.ndarray:
+    """``offset + scale * N(0, 1)`` values of ``shape`` in ``dtype`` (bf16 by default), drawn in fp32 and
+    rounded once; with ``rng`` None, zeros of that shape and dtype, the stand-in a trace-only run takes
+    (see :class:`~kernels_neuron.bench.case.Case`). Drawn in chunks, which gives the same values and
+    leaves ``rng`` where one draw would (its stream is consumed in order), with a fraction of the fp32
+    memory and about a third less time."""
+    out = np.zeros(shape, dtype)  # calloc'd: a stand-in's pages are never touched
+    if rng is None:
+        return out
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, _DRAW_CHUNK):
+        values = rng.standard_normal(min(_DRAW_CHUNK, flat.size - start), dtype=np.float32)
+        values *= np.float32(scale)
+        values += np.float32(offset)
+        flat[start : start + values.size] = values.astype(dtype)
+    return out
+
+
+def _data(seed: int, values: bool) -> np.random.Generator | None:
+    """The generator a case draws its floating-point data from, or None for zeros (``values=False``)."""
+    return np.random.default_rng(seed) if values else None
 
 
 def autograd_backward(
@@ -78,14 +107,16 @@ def projection_case(name: str, kernel, model: str, m: int, k: int, n: int, **kwa
     )
 
 
-def _rmsnorm_inputs(rows: int, hidden: int, backward: bool, seed: int) -> tuple:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, hidden)).astype(ml_dtypes.bfloat16)
-    weight = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(ml_dtypes.bfloat16)
+def _rmsnorm_inputs(rows: int, hidden: int, backward: bool, seed: int, values: bool = True) -> tuple:
+    rng = _data(seed, values)
+    x = _draw(rng, rows, hidden)
+    weight = _draw(rng, hidden, scale=0.1, offset=1.0)
     if not backward:
         return x, weight
-    rstd = (1.0 / np.sqrt((x.astype(np.float32) ** 2).mean(axis=1, keepdims=True) + RMSNORM_EPS)).astype(np.float32)
-    return rng.standard_normal((rows, hidden)).astype(ml_dtypes.bfloat16), x, weight, rstd
+    rstd = _draw(None, rows, 1, dtype=np.float32)  # the forward's saved statistic (a stand-in: zeros)
+    if values:
+        rstd[:] = 1.0 / np.sqrt((x.astype(np.float32) ** 2).mean(axis=1, keepdims=True) + RMSNORM_EPS)
+    return _draw(rng, rows, hidden), x, weight, rstd
 
 
 def _rmsnorm_forward(x, weight, eps, convention, out_dtype):
@@ -123,18 +154,22 @@ def rmsnorm_case(name: str, model: str, rows: int, hidden: int, convention: str,
 LAYERNORM_EPS = 1e-5
 
 
-def _layernorm_inputs(rows: int, hidden: int, bias: bool, backward: bool, dtype: str, seed: int) -> tuple:
-    rng = np.random.default_rng(seed)
-    element = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-    x = rng.standard_normal((rows, hidden)).astype(element)
-    weight = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(element)
-    b = (0.1 * rng.standard_normal(hidden)).astype(element) if bias else None
+def _layernorm_inputs(
+    rows: int, hidden: int, bias: bool, backward: bool, dtype: str, seed: int, values: bool = True
+) -> tuple:
+    rng = _data(seed, values)
+    element = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = _draw(rng, rows, hidden, dtype=element)
+    weight = _draw(rng, hidden, scale=0.1, offset=1.0, dtype=element)
+    b = _draw(rng, hidden, scale=0.1, dtype=element) if bias else None
     if not backward:
         return x, weight, b, LAYERNORM_EPS
-    x32 = x.astype(np.float32)
-    mean = x32.mean(axis=1, keepdims=True)
-    rstd = (1.0 / np.sqrt(x32.var(axis=1, keepdims=True) + LAYERNORM_EPS)).astype(np.float32)
-    return rng.standard_normal((rows, hidden)).astype(element), x, weight, mean.astype(np.float32), rstd
+    mean, rstd = _draw(None, rows, 1, dtype=np.float32), _draw(None, rows, 1, dtype=np.float32)  # saved statistics
+    if values:
+        x32 = x.astype(np.float32)
+        mean[:] = x32.mean(axis=1, keepdims=True)
+        rstd[:] = 1.0 / np.sqrt(x32.var(axis=1, keepdims=True) + LAYERNORM_EPS)
+    return _draw(rng, rows, hidden, dtype=element), x, weight, mean, rstd
 
 
 def _layernorm_forward(x, weight, bias, eps):
@@ -183,18 +218,18 @@ def layernorm_case(
 
 
 def _attention_inputs(
-    sq: int, sk: int, d: int, window: int, softcap: float, backward: bool, segments, seed: int
+    sq: int, sk: int, d: int, window: int, softcap: float, backward: bool, segments, seed: int, values: bool = True
 ) -> tuple:
-    rng = np.random.default_rng(seed)
-    q, k, v = (
-        rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in ((1, 1, sq, d), (1, 1, sk, d), (1, 1, sk, d))
-    )
+    rng = _data(seed, values)
+    q, k, v = _draw(rng, 1, 1, sq, d), _draw(rng, 1, 1, sk, d), _draw(rng, 1, 1, sk, d)
     args = (None, d**-0.5, True, window, softcap, segments)
     if not backward:
         return (q, k, v) + args
-    out, lse = sim.run(flash_attn_fwd, q, k, v, *args).outputs
-    dout = rng.standard_normal(out.shape).astype(ml_dtypes.bfloat16)
-    return (q, k, v, out, dout, lse) + args
+    if values:  # the backward's out and lse as the forward kernel leaves them
+        out, lse = sim.run(flash_attn_fwd, q, k, v, *args).outputs
+    else:
+        out, lse = _draw(None, 1, 1, sq, d), _draw(None, 1, 1, sq, dtype=np.float32)
+    return (q, k, v, out, _draw(rng, 1, 1, sq, d), lse) + args
 
 
 def _sdpa_expresses(sq: int, sk: int, window: int, softcap: float, packed: bool) -> bool:
@@ -289,8 +324,10 @@ def attention_case(
     )
 
 
-def _decode_inputs(batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int, seed: int) -> tuple:
-    rng = np.random.default_rng(seed)
+def _decode_inputs(
+    batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int, seed: int, values: bool = True
+) -> tuple:
+    rng = _data(seed, values)
     q = _draw(rng, batch, heads, sq, d)
     k, v = _draw(rng, batch, kv_heads, sk, d), _draw(rng, batch, kv_heads, sk, d)
     return (q, k, v, d**-0.5, True, 0, 0.0)
@@ -323,14 +360,18 @@ def decode_case(name: str, model: str, batch: int, heads: int, kv_heads: int, sq
     )
 
 
-def _paged_inputs(batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int, block_size: int, seed: int) -> tuple:
-    """A paged cache holding ``sk`` keys per sequence in blocks scattered over the cache."""
-    rng = np.random.default_rng(seed)
+def _paged_inputs(
+    batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int, block_size: int, seed: int, values: bool = True
+) -> tuple:
+    """A paged cache holding ``sk`` keys per sequence in blocks scattered over the cache (the block
+    table is drawn with or without ``values``: the kernel's trace depends on it)."""
+    structure = np.random.default_rng(seed)
     per_row = -(-sk // block_size)
     slots = batch * per_row * block_size
+    table = structure.permutation(batch * per_row).reshape(batch, per_row).astype(np.int32)
+    rng = structure if values else None
     q = _draw(rng, batch, heads, sq, d)
     k_slots, v_slots = _draw(rng, slots, kv_heads, d), _draw(rng, slots, kv_heads, d)
-    table = rng.permutation(batch * per_row).reshape(batch, per_row).astype(np.int32)
     return (q, k_slots, v_slots, table, block_size, (sk,) * batch, d**-0.5, True, 0, 0.0)
 
 
@@ -367,24 +408,8 @@ def decode_paged_case(
     )
 
 
-_DRAW_CHUNK = 1 << 24  # fp32 values drawn at a time: the MoE cases draw over a billion weights
-
-
-def _draw(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
-    """Standard-normal bf16 values of ``shape`` scaled by ``scale`` (drawn in fp32, rounded once). Drawn
-    in chunks, which gives the same values and leaves ``rng`` where one draw would (its stream is
-    consumed in order), with a fraction of the fp32 memory and about a third less time."""
-    out = np.empty(shape, ml_dtypes.bfloat16)
-    flat = out.reshape(-1)
-    for start in range(0, flat.size, _DRAW_CHUNK):
-        values = rng.standard_normal(min(_DRAW_CHUNK, flat.size - start), dtype=np.float32)
-        values *= np.float32(scale)
-        flat[start : start + values.size] = values.astype(ml_dtypes.bfloat16)
-    return out
-
-
-def _mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int) -> tuple:
-    rng = np.random.default_rng(seed)
+def _mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int, values: bool = True) -> tuple:
+    rng = _data(seed, values)
 
     x = _draw(rng, tokens, hidden)
     weights = (
@@ -435,8 +460,8 @@ def mlp_case(
     )
 
 
-def _plain_mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int) -> tuple:
-    rng = np.random.default_rng(seed)
+def _plain_mlp_inputs(tokens: int, hidden: int, inter: int, backward: bool, seed: int, values: bool = True) -> tuple:
+    rng = _data(seed, values)
 
     x = _draw(rng, tokens, hidden)
     weights = (_draw(rng, inter, hidden, scale=hidden**-0.5), _draw(rng, hidden, inter, scale=inter**-0.5))
@@ -485,24 +510,27 @@ def plain_mlp_case(
     )
 
 
-def _moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, backward: bool, seed: int) -> tuple:
+def _moe_inputs(
+    tokens: int, hidden: int, inter: int, experts: int, top_k: int, backward: bool, seed: int, values: bool = True
+) -> tuple:
     """bf16 tokens and expert weights, routed by a random softmax router (top-k, renormalised as
     Mixtral's router does), laid out for the kernel (``routing_layout``, the backward's block size for
-    the backward, which also takes dy first and the idle experts' flags last)."""
-    rng = np.random.default_rng(seed)
-
-    x = _draw(rng, tokens, hidden)
-    w_gate_up = _draw(rng, experts, 2 * inter, hidden, scale=hidden**-0.5)
-    w_down = _draw(rng, experts, hidden, inter, scale=inter**-0.5)
-    probs = torch.from_numpy(rng.standard_normal((tokens, experts), dtype=np.float32)).softmax(-1)
+    the backward, which also takes dy first and the idle experts' flags last). The routing is drawn
+    first, with or without ``values``: the kernel's trace depends on it."""
+    structure = np.random.default_rng(seed)
+    probs = torch.from_numpy(structure.standard_normal((tokens, experts), dtype=np.float32)).softmax(-1)
     weights, index = torch.topk(probs, top_k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     layout = routing_layout(index, weights, experts, hidden, inter, torch.bfloat16, backward=backward)
-    tables = layout.tables
+    tables = tuple(t.numpy() for t in layout.tables)
+    rng = structure if values else None
+    x = _draw(rng, tokens, hidden)
+    w_gate_up = _draw(rng, experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w_down = _draw(rng, experts, hidden, inter, scale=inter**-0.5)
     if not backward:
-        return (x, w_gate_up, w_down) + tuple(t.numpy() for t in tables)
-    idle = (layout.counts == 0).to(torch.int32)[:, None]
-    return (_draw(rng, tokens, hidden), x, w_gate_up, w_down) + tuple(t.numpy() for t in tables + (idle,))
+        return (x, w_gate_up, w_down) + tables
+    idle = (layout.counts == 0).to(torch.int32)[:, None].numpy()
+    return (_draw(rng, tokens, hidden), x, w_gate_up, w_down) + tables + (idle,)
 
 
 def _moe_routing(tokens, top_k, block_info, slot_row, slot_weight):
