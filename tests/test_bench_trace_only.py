@@ -12,9 +12,6 @@ import pytest
 from test_bench_references import SMALL
 
 from kernels_neuron import bench, cost, sim
-
-sim.install()
-import nki  # noqa: E402
 from kernels_neuron.bench.calibration import fully_optimized
 from kernels_neuron.cli import main
 
@@ -60,7 +57,7 @@ def test_kernels_pickle_by_reference_for_worker_processes():
         copy = pickle.loads(pickle.dumps(kernel))
         assert copy.func is kernel.func and copy.grid == kernel.grid and copy.options == kernel.options
 
-    @nki.jit
+    @sim.jit
     def local_kernel(x):
         return x
 
