@@ -67,8 +67,8 @@ class Indirect:
         continues across the indirect dim, whose rows land anywhere)."""
         return innermost_run(self.nums[self.dim + 1 :], self.steps[self.dim + 1 :], 1)
 
-    def flat_offsets(self, size: int, instruction: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Offsets into the flattened allocation and a mask of the in-bounds ones."""
+    def _rows(self, instruction: str) -> np.ndarray:
+        """The indices of the indirect dim's rows, one per row of its extent."""
         # A [P, N] index tile is read column by column (indices.T.flatten()), as a gather-transpose
         # with N > 1 index columns consumes it; for the usual [P, 1] tile the order is the same.
         rows = np.asarray(self.index.computed_values(instruction, "vector_offset")).T.reshape(-1).astype(np.int64)
@@ -80,7 +80,25 @@ class Indirect:
                 indices=rows.size,
                 extent=self.nums[self.dim],
             )
-        rows = rows[: self.nums[self.dim]]
+        return rows[: self.nums[self.dim]]
+
+    def check_bounds(self, size: int, instruction: str, skip_oob: bool) -> None:
+        """The checks of :meth:`flat_offsets` without forming every offset, for an access that moves no
+        values (a trace-only run): an offset is a sum of one term per dim, so the extreme terms give
+        the extreme offsets. Out of bounds, :meth:`flat_offsets` raises its error naming the indices."""
+        rows = self._rows(instruction)
+        if skip_oob or 0 in self.nums:
+            return
+        low = high = self.start
+        for dim, (num, step) in enumerate(zip(self.nums, self.steps)):
+            ends = (int((rows * step).min()), int((rows * step).max())) if dim == self.dim else (0, (num - 1) * step)
+            low, high = low + min(ends), high + max(ends)
+        if low < 0 or high >= size:
+            self.flat_offsets(size, instruction, skip_oob)
+
+    def flat_offsets(self, size: int, instruction: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Offsets into the flattened allocation and a mask of the in-bounds ones."""
+        rows = self._rows(instruction)
         grids = list(np.meshgrid(*[np.arange(n) for n in self.nums], indexing="ij"))  # NumPy 2 returns a tuple
         grids[self.dim] = rows[grids[self.dim]]
         # Summed onto the first term (nums is never empty): an array, where sum()'s default 0 start would type as int.
@@ -168,7 +186,7 @@ class Tensor:
     """A tensor in HBM, SBUF or PSUM, as NKI kernels see it."""
 
     # Views never change after creation, so their region and start partition are cached.
-    __slots__ = ("_buf", "_view", "_dtype", "_indirect", "_columns", "_region", "_start")
+    __slots__ = ("_buf", "_view", "_dtype", "_indirect", "_columns", "_region", "_start", "_written")
 
     def __init__(
         self,
@@ -185,6 +203,7 @@ class Tensor:
         self._columns = columns  # a compute-engine gather/scatter (.indirect(index))
         self._region: Region | None = None
         self._start: int | None = None
+        self._written: np.ndarray | None = None  # the PSUM bookkeeping's view of the same elements
 
     # -- what it is -------------------------------------------------------------------------
     @property
@@ -313,9 +332,8 @@ class Tensor:
         if not self._view.flags.writeable:
             raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
         self._view[...] = dtypes.cast(values, self._dtype).reshape(self.shape)
-        written = self._buf.written
-        if written is not None:
-            self._written_view(written)[...] = psum_writer
+        if self._buf.written is not None:
+            self._written_view()[...] = psum_writer
 
     def write_uncomputed(self, instruction: str = "write", psum_writer: int = PSUM_BY_OTHER) -> None:
         """What :meth:`write` does in a trace-only run (``numerics=False``), where the instruction
@@ -326,9 +344,8 @@ class Tensor:
             target = columns.base
             if not target._view.flags.writeable:
                 raise rule(instruction, "dst", "cannot write through a broadcast view", shape=target.shape)
-            written = target._buf.written
-            if written is not None:
-                marks = target._written_view(written)
+            if target._buf.written is not None:
+                marks = target._written_view()
                 if columns.index_known():
                     marks[columns.targets()] = psum_writer
                 else:
@@ -339,9 +356,8 @@ class Tensor:
         # no PSUM bookkeeping.
         if self._indirect is None and not self._view.flags.writeable:
             raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
-        written = self._buf.written
-        if written is not None:
-            self._written_view(written)[...] = psum_writer
+        if self._buf.written is not None:
+            self._written_view()[...] = psum_writer
         runtime.current().mark_uncomputed(self._buf)
 
     def computed_values(self, instruction: str, role: str) -> np.ndarray:
@@ -356,8 +372,14 @@ class Tensor:
             )
         return self._view
 
-    def _written_view(self, written: np.ndarray) -> np.ndarray:
-        return _same_view(written, self._buf.data, self._view)
+    def _written_view(self) -> np.ndarray:
+        """A PSUM tile's bookkeeping (``Buffer.written``) for this view's elements; made once per view."""
+        view = self._written
+        if view is None:
+            written = self._buf.written
+            assert written is not None, "only PSUM tiles keep write bookkeeping"
+            view = self._written = _same_view(written, self._buf.data, self._view)
+        return view
 
     def _scatter(self, values: np.ndarray, instruction: str, psum_writer: int) -> None:
         """An ``.indirect()`` view's write: each partition's values land in the columns its offsets name
@@ -372,9 +394,8 @@ class Tensor:
             return
         where = columns.targets()
         target._view[where] = dtypes.cast(values, self._dtype).reshape(where[0].shape)
-        written = target._buf.written
-        if written is not None:
-            target._written_view(written)[where] = psum_writer
+        if target._buf.written is not None:
+            target._written_view()[where] = psum_writer
 
     def was_written(self) -> np.ndarray:
         """For PSUM tiles: which elements some instruction has written."""
@@ -382,14 +403,13 @@ class Tensor:
 
     def psum_writers(self) -> np.ndarray:
         """For PSUM tiles: what last wrote each element (``runtime.PSUM_UNWRITTEN`` / ``_BY_MATMUL`` / ``_BY_OTHER``)."""
-        written = self._buf.written
-        if written is None:
+        if self._buf.written is None:
             raise TypeError("only PSUM tensors track writes")
         columns = self._columns
         if columns is not None:
             # The indices are needed even in a trace-only run: whether a matmul accumulates depends on them.
-            return columns.base._written_view(written)[columns.targets()]
-        return self._written_view(written)
+            return columns.base._written_view()[columns.targets()]
+        return self._written_view()
 
     # -- indexing ---------------------------------------------------------------------------
     def _direct(self, what: str) -> None:
@@ -426,30 +446,33 @@ class Tensor:
             key = key[:at] + (slice(None),) * fill + key[at + 1 :]
         if len(key) > self.ndim:
             raise IndexError(f"too many indices for a {self.ndim}-d tensor {list(self.shape)}: {key}")
-        out = []
+        out: list[Any] = []
+        shape, on_chip = self._view.shape, self._buf.on_chip
+        free_sliced = False  # whether some free dim takes a slice
         for dim, k in enumerate(key):
-            n = self.shape[dim]
+            n = shape[dim]
             if isinstance(k, DynSlice):
                 k = k.as_slice()
-            if isinstance(k, (int, np.integer)):
+            if isinstance(k, slice):
+                out.append(_checked_slice(k, n, dim, self))
+                free_sliced = free_sliced or dim > 0
+            elif isinstance(k, (int, np.integer)):
                 k = int(k)
                 if not -n <= k < n:
                     raise IndexError(f"index {k} out of bounds for dim {dim} of size {n} in {self!r}")
                 k %= n
                 # On-chip tensors keep the partition dim: an integer there selects one partition.
-                out.append(slice(k, k + 1) if (dim == 0 and self.on_chip) else k)
-            elif isinstance(k, slice):
-                out.append(_checked_slice(k, n, dim, self))
+                out.append(slice(k, k + 1) if (dim == 0 and on_chip) else k)
             elif k is None:
                 raise IndexError("NKI tensors do not take None (newaxis) indices; use expand_dims")
             else:
                 raise IndexError(f"unsupported index {k!r} for dim {dim}; use ints, slices or nl.ds")
-        if self.on_chip and len(key) == self.ndim and all(not isinstance(k, slice) for k in out[1:]):
+        if on_chip and len(key) == len(shape) and not free_sliced:
             # On-chip views stay 2-D: when every free dim is indexed by an int, the last stays (size 1).
             last = out[-1]
             if isinstance(last, int):  # a 1-D on-chip view has no free dim: its partition index is a slice already
                 out[-1] = slice(last, last + 1)
-        if self.on_chip and out and isinstance(out[0], slice) and out[0].step not in (None, 1):
+        if on_chip and out and isinstance(out[0], slice) and out[0].step not in (None, 1):
             raise rule("index", repr(self), "the partition dimension cannot be strided", step=out[0].step)
         return tuple(out)
 
@@ -882,7 +905,8 @@ def _same_view(target: np.ndarray, base: np.ndarray, view: np.ndarray) -> np.nda
         ratio = view.itemsize / base.itemsize
         shape = shape[:-1] + (int(shape[-1] * ratio),) if shape else shape
         strides = strides[:-1] + (scale_to,) if strides else strides
-    return as_strided(target.reshape(-1)[elem:], shape=shape, strides=strides)
+    # The ndarray constructor over the (contiguous) target is a fifth of as_strided's cost; it also checks the bounds.
+    return np.ndarray(shape, target.dtype, buffer=target, offset=elem * scale_to, strides=strides)
 
 
 def _scalar_value(x: Any) -> int:

@@ -12,7 +12,7 @@ LAYERS = [
     {"operands", "indirection", "enums"},
     {"tensor", "ops"},
     {"runtime", "memory", "trace", "targets"},
-    {"errors", "dtypes", "frontend"},
+    {"errors", "dtypes", "frontend", "gc_pause"},
 ]
 SIM_DIR = Path(sim.__file__).parent
 

@@ -153,7 +153,7 @@ def _dma_uncomputed(dst: Tensor, src: Tensor, instr: str, skip: bool) -> None:
     run = runtime.current()
     for t in (src, dst):
         if t._indirect is not None and _indices_computed(run, t):
-            t._indirect.flat_offsets(t._buf.data.size, instr, skip)
+            t._indirect.check_bounds(t._buf.data.size, instr, skip)
     dst.write_uncomputed(instr)
 
 

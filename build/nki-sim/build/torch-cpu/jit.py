@@ -7,8 +7,10 @@ caller); returned HBM tensors come back as arrays of the caller's kind (torch in
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import os
+import pickle
 import sys
 import threading
 import types
@@ -20,6 +22,7 @@ import numpy as np
 
 from . import cores, dtypes, runtime
 from .errors import NkiValidationError
+from .gc_pause import full_collections_paused
 from .targets import Target, resolve
 from .tensor import Tensor
 from .trace import Trace
@@ -89,6 +92,31 @@ class Kernel:
     def __repr__(self) -> str:
         grid = f"[{', '.join(map(str, self.grid))}]" if self.grid else ""
         return f"<nki kernel {self.func.__name__}{grid}>"
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled by reference, as Python pickles functions: a process pool (``kernels-neuron bench
+        # --jobs``) sends kernels to workers, which import the kernel's module themselves.
+        where = (self.func.__module__, self.func.__qualname__)
+        try:
+            found = _kernel_named(*where)
+        except (ImportError, AttributeError):
+            found = None
+        if found is not self.func:
+            raise pickle.PicklingError(f"cannot pickle {self!r}: it is not reachable as {'.'.join(where)}")
+        return _launchable, (*where, self.grid, self.options)
+
+
+def _kernel_named(module: str, qualname: str) -> Callable[..., Any]:
+    """The function behind the module-level kernel (or plain function) ``module.qualname``."""
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found.func if isinstance(found, Kernel) else found
+
+
+def _launchable(module: str, qualname: str, grid: tuple[int, ...] | None, options: dict[str, Any]) -> Kernel:
+    """A pickled :class:`Kernel`, rebuilt (see ``Kernel.__reduce__``)."""
+    return Kernel(_kernel_named(module, qualname), grid, **options)
 
 
 def jit(func: Callable[..., Any] | None = None, mode: str = "auto", **kwargs: Any) -> Any:
@@ -223,6 +251,7 @@ def run_ranks(
     return SimResult(outputs if numerics else None, trace, numerics)
 
 
+@full_collections_paused()
 def _launch_ranks(
     kernel: Kernel,
     inputs: list[tuple[tuple, dict]],

@@ -1,0 +1,71 @@
+"""Full garbage collections are put off while a simulation or a schedule runs, and come back after."""
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+from kernels_neuron import cost, sim
+from kernels_neuron.sim.gc_pause import PAUSED_FULL_COLLECTION_INTERVAL, full_collections_paused
+
+sim.install()
+import nki  # noqa: E402
+import nki.isa as nisa  # noqa: E402
+import nki.language as nl  # noqa: E402
+
+SEEN: list[tuple[int, ...]] = []
+
+
+@nki.jit
+def copy_noting_the_threshold(x):
+    SEEN.append(gc.get_threshold())
+    tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=x)
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=tile)
+    return out
+
+
+def test_a_run_pauses_full_collections_and_restores_the_thresholds():
+    before = gc.get_threshold()
+    assert before[2] < PAUSED_FULL_COLLECTION_INTERVAL  # else the check below could not tell
+    SEEN.clear()
+    x = np.ones((4, 8), np.float32)
+    result = sim.run(copy_noting_the_threshold, x)
+    np.testing.assert_array_equal(result.outputs, x)
+    assert SEEN == [(*before[:2], PAUSED_FULL_COLLECTION_INTERVAL)]
+    assert gc.get_threshold() == before
+    cost.estimate_trace(result.trace)
+    assert gc.get_threshold() == before
+
+
+def test_nested_and_failing_blocks_restore_the_thresholds_once_the_outermost_ends():
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError):
+        with full_collections_paused():
+            with full_collections_paused():
+                pass
+            assert gc.get_threshold()[2] == PAUSED_FULL_COLLECTION_INTERVAL  # the inner exit kept the pause
+            raise RuntimeError
+    assert gc.get_threshold() == before
+
+
+def test_threads_share_one_pause():
+    before = gc.get_threshold()
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with full_collections_paused():
+            inside.set()
+            release.wait()
+
+    worker = threading.Thread(target=hold)
+    worker.start()
+    inside.wait()
+    with full_collections_paused():
+        pass
+    assert gc.get_threshold()[2] == PAUSED_FULL_COLLECTION_INTERVAL  # the other thread still runs paused
+    release.set()
+    worker.join()
+    assert gc.get_threshold() == before
