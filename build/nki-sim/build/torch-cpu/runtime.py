@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -97,7 +98,10 @@ class Run:
         self.rank = rank
         self.ranks = ranks
         self.trace = trace if trace is not None else Trace(target.name)
-        self._next_id = 0
+        # Buffer ids, shared with the memory model; a counter's own method, so that the memory model holds
+        # no reference back to the run (a cycle would keep each finished run's trace alive until a full
+        # garbage collection).
+        self._new_id = itertools.count(1).__next__
         self.memory = OnChipMemory(target, self.trace, capacity, self._new_id)
         self._shared = shared if shared is not None else {}
         self._shared_seq = 0
@@ -164,10 +168,6 @@ class Run:
     def mark_uncomputed(self, buf: Buffer) -> None:
         """Some instruction wrote ``buf`` without computing the values (a trace-only run)."""
         self.uncomputed.add(buf.address)
-
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
 
     # -- tracing ----------------------------------------------------------------------------
     def record(
