@@ -35,7 +35,8 @@ Tiling plan
         split-key combine: acc = acc * exp(m_old - m) + pv * exp(m_chunk - m)).
     Chunks run through a software pipeline (``_STAGES``) across every (batch, KV head), so one
     chunk's loads and transposes overlap an earlier chunk's softmax. Chunks that the window makes
-    invisible are never read.
+    invisible are never read. A paged cache that fits in SBUF runs the values' stage after every
+    chunk's softmax (``flash_decode_paged_fwd``).
 """
 
 import nki
@@ -281,6 +282,7 @@ class _DenseCache(nl.NKIObject):
     """K/V [B, Hkv, Sk, D]: each chunk loads its own KV head's keys, one contiguous run per partition."""
 
     shares_loads = False
+    resident = False  # each chunk's loads are issued in its load stage
 
     def __init__(self, k, v):
         self.k, self.v = k, v
@@ -288,11 +290,18 @@ class _DenseCache(nl.NKIObject):
     def plan(self, first, end, per_partition):
         return chunk_plan(first, end, per_partition)
 
+    def reserve(self, planned, kv_heads, rows):
+        """Chunks the values' stage trails its usual place by: none (each chunk loads its own keys)."""
+        return 0
+
     def chunk_source(self, b, k0, parts, per_partition, kv_heads, constants):
         return self  # each KV head's chunk loads its own keys
 
     def prepare(self):
         """Nothing to compute ahead: the chunks' addresses are static."""
+
+    def issue_loads(self, sources):
+        """Nothing up front: each chunk loads its keys in its load stage."""
 
     def take(self, chunk):
         """Per key block t: K [parts, D] and [V | 1] [parts, D + 1] of the chunk's keys."""
@@ -317,7 +326,8 @@ class _PagedBlocks(nl.NKIObject):
     entries for the chunk's blocks, as ``(block - logical block) * block_size`` shifts, are broadcast to
     every partition by a ones-row matmul; two ``affine_select``s keep, per partition, only the entry of
     the block its keys fall in; a row sum picks it, plus the key index (``iota``). One gather DMA
-    (``vector_offset``) per K and per V then reads T whole slots per partition."""
+    (``vector_offset``) per K and per V then reads T whole slots per partition, issued up front
+    (``_PagedCache.issue_loads``) or by the first chunk to take them."""
 
     def __init__(self, cache, b, k0, parts, per_partition, kv_heads, constants):
         self.cache, self.b, self.k0, self.parts, self.t = cache, b, k0, parts, per_partition
@@ -325,7 +335,7 @@ class _PagedBlocks(nl.NKIObject):
         self.keys = self.values = None
         self.loaded = False
         self.index = None  # [parts, 1] int32 physical slots (prepare)
-        self.value_buffer = None  # the ring buffer V lands in (_PagedCache.chunk_source)
+        self.value_buffer = None  # the buffer V lands in (_PagedCache.chunk_source)
         self.next = None  # the next shared load, prefetched when this one starts
 
     def prepare(self):
@@ -381,31 +391,38 @@ class _PagedBlocks(nl.NKIObject):
         nisa.tensor_copy(dst=index, src=slot, engine=gpsimd)
         return index
 
-    def _load(self):
-        self.loaded = True
+    def load_keys(self):
+        """Gather K: T whole slots (every KV head) per partition."""
         cache, parts, t = self.cache, self.parts, self.t
         kv_heads, d = cache.k.shape[1], cache.k.shape[2]
-        index = self.index
-        self.keys = nl.ndarray((parts, t, kv_heads, d), cache.k.dtype, buffer=nl.sbuf)
         row = kv_heads * d
-        nisa.dma_copy(
-            dst=self.keys,
-            src=cache.k.ap(pattern=[[row, parts], [1, t * row]], offset=0, vector_offset=index, indirect_dim=0),
+        self.keys = nl.ndarray((parts, t, kv_heads, d), cache.k.dtype, buffer=nl.sbuf)
+        src = cache.k.ap(pattern=[[row, parts], [1, t * row]], offset=0, vector_offset=self.index, indirect_dim=0)
+        cache.order_gather(nisa.dma_copy(dst=self.keys, src=src))
+
+    def load_values(self):
+        """Gather V into its buffer, beside the ones columns set when the buffer was made."""
+        cache, parts, t = self.cache, self.parts, self.t
+        kv_heads, d = cache.k.shape[1], cache.k.shape[2]
+        row = kv_heads * d
+        self.values = self.value_buffer[0:parts, 0:t, :, :]
+        src = cache.v.ap(
+            pattern=[[row, parts], [d, t * kv_heads], [1, d]], offset=0, vector_offset=self.index, indirect_dim=0
         )
-        self.values = self.value_buffer[0:parts, 0:t, :, :]  # its ones columns were set once
-        nisa.dma_copy(
-            dst=self.values[:, :, :, 0:d],
-            src=cache.v.ap(
-                pattern=[[row, parts], [d, t * kv_heads], [1, d]], offset=0, vector_offset=index, indirect_dim=0
-            ),
-        )
+        cache.order_gather(nisa.dma_copy(dst=self.values[:, :, :, 0:d], src=src))
+
+    def load(self):
+        """K then V, once for the KV heads' chunks."""
+        if not self.loaded:
+            self.loaded = True
+            self.load_keys()
+            self.load_values()
 
     def take(self, chunk):
         """The chunk's KV head's K and V per key block (the last KV head to take them frees them)."""
-        if not self.loaded:
-            self._load()
-        if self.next is not None and not self.next.loaded:
-            self.next._load()
+        self.load()
+        if self.next is not None:
+            self.next.load()
         g, t = chunk.group.g, self.t
         keys, values = [self.keys[:, j, g, :] for j in range(t)], [self.values[:, j, g, :] for j in range(t)]
         self.takers -= 1
@@ -421,25 +438,74 @@ class _PagedCache(nl.NKIObject):
 
     def __init__(self, k, v, block_table, block_size, per_partition):
         self.k, self.v, self.block_table, self.block_size = k, v, block_table, block_size
-        # V lands in a ring of buffers (value_buffers) whose ones columns are set once, here: a memset
-        # per load would wait for GpSimd's queue, and the model's DMA bandwidth goes to the transfers
-        # ready first, which would then be later chunks' keys.
-        kv_heads, d = k.shape[1], k.shape[2]
+        self.per_partition = per_partition
+        self.resident = False  # every load has buffers of its own (reserve)
         self.value_ring = []
+        self.loads = 0
+        self.gathers = []  # the gather DMAs issued so far
+
+    def reserve(self, planned, kv_heads, rows):
+        """Where the loads land, and the chunks the values' stage trails its usual place by.
+
+        Resident, when every planned load and every chunk's probabilities fit in SBUF at once (a short
+        batch): each load gets buffers of its own, every K gather is issued before every V gather
+        (``issue_loads``), and the values' stage trails the softmax by every chunk. The keys' work
+        (transposes, scores, softmax) of all chunks then runs while the values stream in, and what
+        remains after the last value lands is its chunk's P V. Otherwise V lands in a ring of buffers
+        (``value_buffers``) whose ones columns are set once, here: a memset per load would wait for
+        GpSimd's queue. Each load then starts the next, a chunk ahead, and nothing trails further.
+
+        From SHIFT_MIN_ROWS rows a chunk's keys' work outlasts its transfer, and P V run last would
+        add all of it after the keys' work (in the cost model, 16 queries of 4 or 8 heads per KV
+        group: 3% to 9% slower resident), so those stay with the ring."""
+        d, item = self.k.shape[2], itemsize(self.k.dtype)
+        per_key = kv_heads * ((2 * d + 1) * item + rows * item)  # K, [V | 1] and P^T, per partition
+        fits = sum(t for _, _, t in planned) * per_key <= nl.tile_size.sbuf_fmax_bytes - PAGED_SBUF_RESERVE
+        self.resident = fits and rows < SHIFT_MIN_ROWS
+        if self.resident:
+            return max(0, len(planned) * kv_heads - 1)
         for _ in range(value_buffers(kv_heads)):
-            buffer = nl.ndarray((P, per_partition, kv_heads, d + 1), v.dtype, buffer=nl.sbuf)
+            buffer = nl.ndarray((P, self.per_partition, kv_heads, d + 1), self.v.dtype, buffer=nl.sbuf)
             nisa.memset(dst=buffer[:, :, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
             self.value_ring.append(buffer)
-        self.loads = 0
+        return 0
 
     def plan(self, first, end, per_partition):
         return aligned_chunk_plan(first, end, per_partition)
 
     def chunk_source(self, b, k0, parts, per_partition, kv_heads, constants):
         blocks = _PagedBlocks(self, b, k0, parts, per_partition, kv_heads, constants)
-        blocks.value_buffer = self.value_ring[self.loads % len(self.value_ring)]
+        if self.resident:
+            d = self.k.shape[2]
+            blocks.value_buffer = nl.ndarray((parts, per_partition, kv_heads, d + 1), self.v.dtype, buffer=nl.sbuf)
+            nisa.memset(dst=blocks.value_buffer[:, :, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
+        else:
+            blocks.value_buffer = self.value_ring[self.loads % len(self.value_ring)]
         self.loads += 1
         return blocks
+
+    def issue_loads(self, sources):
+        """Resident: every K gather, then every V gather (a chunk's keys' work needs only its K)."""
+        if not self.resident:
+            return
+        loads = []
+        for source in sources:  # each load once, though every KV head's chunk names it
+            if not source.loaded:
+                source.loaded = True
+                loads.append(source)
+        for source in loads:
+            source.load_keys()
+        for source in loads:
+            source.load_values()
+
+    def order_gather(self, gather):
+        """Keep the gathers' transfers in issue order, two in flight (one's fixed latency passes while
+        the other moves data): a gather starts once the one issued two before it has landed. Left
+        free, every gather is ready at once and the bandwidth goes to whichever can start first, which
+        may be a later chunk's keys while the chunk in use still waits for its values."""
+        if len(self.gathers) >= 2:
+            gather.depends_on(self.gathers[-2])
+        self.gathers.append(gather)
 
 
 class _Chunk(nl.NKIObject):
@@ -672,8 +738,11 @@ def flash_decode_paged_fwd(q, k_slots, v_slots, block_table, block_size, lengths
         As ``flash_decode_fwd``, with T (keys per partition) a power of two dividing block_size, so a
         partition's keys lie in one block (``paged_keys_per_partition``), and each chunk's K and V
         gathered once for all KV heads (``_PagedBlocks``): T x Hkv x D contiguous elements per
-        partition, the next chunk's gathers issued when a chunk's are first used, V into a ring of
-        buffers whose ones columns are set once.
+        partition, two gathers in flight, in issue order. When every load fits in SBUF at once and a
+        KV group has fewer than SHIFT_MIN_ROWS rows (``_PagedCache.reserve``), every K gather goes
+        before every V gather and P V waits for every chunk's softmax, so the keys' work overlaps the
+        values' transfer; otherwise the next chunk's gathers are issued when a chunk's are first used
+        and V lands in a ring of buffers whose ones columns are set once.
     """
     batch, heads, sq, d = q.shape
     kv_heads = k_slots.shape[1]
@@ -698,13 +767,11 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
     group_size = heads // kv_heads
     rows = group_size * sq
     constants = _Constants(q.dtype)
-    chunks = []
-    previous = None  # the last shared load planned
+    plans = []  # per batch row: (offset, its chunks)
     for b in range(batch):
         start, end = spans[b]
         offset = end - sq  # query i sees keys j <= i + offset (causal) and j >= i + offset - window + 1
         lowest = max(start, offset - window + 1) if window else start  # the first key any query sees
-        groups = [_Group(q, b, g, group_size, scale, softcap) for g in range(kv_heads)]
         # With many rows, the keys some query may not see (the window's first sq - 1, the causal
         # last sq - 1) get chunks of their own, so that only those few take the masked path.
         edges = {lowest, end}
@@ -712,7 +779,14 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
             edges |= {min(max(lowest, sq - 1 + offset - window + 1), end)} if window else set()
             edges |= {min(max(lowest, offset + 1), end)} if causal else set()
         edges = sorted(edges)
-        planned = [chunk for lo, hi in zip(edges, edges[1:]) for chunk in sources.plan(lo, hi, per_partition)]
+        plans.append(
+            (offset, [chunk for lo, hi in zip(edges, edges[1:]) for chunk in sources.plan(lo, hi, per_partition)])
+        )
+    trail = sources.reserve([chunk for _, planned in plans for chunk in planned], kv_heads, rows)
+    chunks = []
+    previous = None  # the last shared load planned
+    for b, (offset, planned) in enumerate(plans):
+        groups = [_Group(q, b, g, group_size, scale, softcap) for g in range(kv_heads)]
         if not planned:
             for group in groups:
                 group.finish(out, lse_out)
@@ -750,10 +824,18 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
     # on TensorE and GpSimd behind the bulk loads they precede.
     for chunk in chunks:
         chunk.source.prepare()
+    if sources.resident:  # the bulk loads go up front, so the queries' small loads go before them
+        for chunk in chunks:
+            for group in chunk.query_groups:
+                group.load_queries()
+            chunk.query_groups = []
+    sources.issue_loads([chunk.source for chunk in chunks])
     # A software pipeline over the chunks: at each tick every stage works on a different chunk,
-    # LEAD chunks apart, so loads run ahead of the transposes and those ahead of the softmax.
-    for n in range(-_LEAD, len(chunks)):
-        for stage, lead in _STAGES:
+    # LEAD chunks apart, so loads run ahead of the transposes and those ahead of the softmax; the
+    # values' stage (the last) trails the others by ``trail`` chunks more.
+    stages = [(stage, lead if stage == _STAGES[-1][0] else lead + trail) for stage, lead in _STAGES]
+    for n in range(-_LEAD - trail, len(chunks)):
+        for stage, lead in stages:
             if 0 <= n + lead < len(chunks):
                 getattr(chunks[n + lead], stage)()
         if n >= 0 and chunks[n].last:
