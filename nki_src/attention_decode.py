@@ -35,8 +35,8 @@ Tiling plan
         split-key combine: acc = acc * exp(m_old - m) + pv * exp(m_chunk - m)).
     Chunks run through a software pipeline (``_STAGES``) across every (batch, KV head), so one
     chunk's loads and transposes overlap an earlier chunk's softmax. Chunks that the window makes
-    invisible are never read. A paged cache that fits in SBUF runs the values' stage after every
-    chunk's softmax (``flash_decode_paged_fwd``).
+    invisible are never read. A paged cache that fits in SBUF runs P V after every chunk's softmax
+    (``flash_decode_paged_fwd``).
 """
 
 import nki
@@ -63,6 +63,8 @@ CHUNK_BYTES = 4 * 1024  # K bytes per partition per chunk: a DMA saturates from 
 # SBUF peak (each tile counted from its first use to its last, on the partitions it takes) is 206,808
 # of Trn2's 229,376 bytes per partition.
 PAGED_KEY_LOADS = 3
+# A resident load's V arrives in this many gathers, so that P V starts on the first to land.
+RESIDENT_VALUE_PIECES = 2
 MAX_PAGED_SLOTS = 2**24  # the block table becomes slot indices in fp32 arithmetic, exact to 2**24
 PAGED_SBUF_RESERVE = 24 * 1024
 TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied out by one instruction
@@ -200,6 +202,7 @@ class _Group(nl.NKIObject):
         self.q = q
         self.q_t = None
         self.run_max = None  # [rows, 1] fp32, in logit units (exp_scale * logit is the exponent)
+        self.weights = None  # the running state's and the chunk's weights, from weigh to accumulate
         self.acc = None  # [rows, D + 1] fp32
 
     def load_queries(self):
@@ -215,12 +218,15 @@ class _Group(nl.NKIObject):
 
     def merge(self, chunk_max, pv):
         """Fold a chunk's max column and [P V | rowsum P] (PSUM) into the running state."""
-        rows, d = self.rows, self.d
-        if self.acc is None:
+        self.weigh(chunk_max)
+        self.accumulate(pv)
+
+    def weigh(self, chunk_max):
+        """The new running max, and the weights of the running state and of the chunk (for ``accumulate``)."""
+        rows = self.rows
+        if self.run_max is None:
             self.run_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
             nisa.tensor_copy(dst=self.run_max, src=chunk_max)
-            self.acc = nl.ndarray((rows, d + 1), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=self.acc, src=pv)
             return
         new_max = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=new_max, data1=self.run_max, data2=chunk_max, op=nl.maximum)
@@ -232,12 +238,22 @@ class _Group(nl.NKIObject):
         nisa.activation(dst=old_weight, op=nl.exp, data=self.run_max, scale=self.exp_scale, bias=neg_new)
         chunk_weight = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=chunk_weight, op=nl.exp, data=chunk_max, scale=self.exp_scale, bias=neg_new)
-        weighted = nl.ndarray((rows, d + 1), nl.float32, buffer=nl.sbuf)
+        self.weights = (old_weight, chunk_weight)
+        self.run_max = new_max
+
+    def accumulate(self, pv):
+        """acc = acc * (the running state's weight) + pv * (the chunk's), or pv for the first chunk."""
+        if self.acc is None:
+            self.acc = nl.ndarray((self.rows, self.d + 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=self.acc, src=pv)
+            return
+        old_weight, chunk_weight = self.weights
+        weighted = nl.ndarray((self.rows, self.d + 1), nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=weighted, data=pv, op0=nl.multiply, operand0=chunk_weight)
         nisa.scalar_tensor_tensor(
             dst=self.acc, data=self.acc, op0=nl.multiply, operand0=old_weight, op1=nl.add, operand1=weighted
         )
-        self.run_max = new_max
+        self.weights = None
 
     def finish(self, out, lse_out):
         """out = acc / rowsum (zero for a row that saw no key), lse = exp_scale * max + log(rowsum)."""
@@ -291,8 +307,7 @@ class _DenseCache(nl.NKIObject):
         return chunk_plan(first, end, per_partition)
 
     def reserve(self, planned, kv_heads, rows):
-        """Chunks the values' stage trails its usual place by: none (each chunk loads its own keys)."""
-        return 0
+        """Nothing to reserve: each chunk loads its own keys in its load stage."""
 
     def chunk_source(self, b, k0, parts, per_partition, kv_heads, constants):
         return self  # each KV head's chunk loads its own keys
@@ -336,6 +351,7 @@ class _PagedBlocks(nl.NKIObject):
         self.loaded = False
         self.index = None  # [parts, 1] int32 physical slots (prepare)
         self.value_buffer = None  # the buffer V lands in (_PagedCache.chunk_source)
+        self.value_pieces = None  # (first block, blocks) of each V gather
         self.next = None  # the next shared load, prefetched when this one starts
 
     def prepare(self):
@@ -400,16 +416,22 @@ class _PagedBlocks(nl.NKIObject):
         src = cache.k.ap(pattern=[[row, parts], [1, t * row]], offset=0, vector_offset=self.index, indirect_dim=0)
         cache.order_gather(nisa.dma_copy(dst=self.keys, src=src))
 
-    def load_values(self):
-        """Gather V into its buffer, beside the ones columns set when the buffer was made."""
+    def load_values(self, pieces=1):
+        """Gather V into its buffer, beside the ones columns set when the buffer was made: ``pieces``
+        gathers of consecutive key blocks (``value_pieces``), so P V may start on the first to land."""
         cache, parts, t = self.cache, self.parts, self.t
         kv_heads, d = cache.k.shape[1], cache.k.shape[2]
         row = kv_heads * d
         self.values = self.value_buffer[0:parts, 0:t, :, :]
-        src = cache.v.ap(
-            pattern=[[row, parts], [d, t * kv_heads], [1, d]], offset=0, vector_offset=self.index, indirect_dim=0
-        )
-        cache.order_gather(nisa.dma_copy(dst=self.values[:, :, :, 0:d], src=src))
+        self.value_pieces = list(tiles(t, ceil_div(t, pieces)))
+        for j0, jc in self.value_pieces:
+            src = cache.v.ap(
+                pattern=[[row, parts], [d, jc * kv_heads], [1, d]],
+                offset=j0 * row,
+                vector_offset=self.index,
+                indirect_dim=0,
+            )
+            cache.order_gather(nisa.dma_copy(dst=self.values[:, j0 : j0 + jc, :, 0:d], src=src))
 
     def load(self):
         """K then V, once for the KV heads' chunks."""
@@ -445,30 +467,23 @@ class _PagedCache(nl.NKIObject):
         self.gathers = []  # the gather DMAs issued so far
 
     def reserve(self, planned, kv_heads, rows):
-        """Where the loads land, and the chunks the values' stage trails its usual place by.
+        """Decide where the loads land (``resident``).
 
         Resident, when every planned load and every chunk's probabilities fit in SBUF at once (a short
         batch): each load gets buffers of its own, every K gather is issued before every V gather
-        (``issue_loads``), and the values' stage trails the softmax by every chunk. The keys' work
-        (transposes, scores, softmax) of all chunks then runs while the values stream in, and what
-        remains after the last value lands is its chunk's P V. Otherwise V lands in a ring of buffers
-        (``value_buffers``) whose ones columns are set once, here: a memset per load would wait for
-        GpSimd's queue. Each load then starts the next, a chunk ahead, and nothing trails further.
-
-        From SHIFT_MIN_ROWS rows a chunk's keys' work outlasts its transfer, and P V run last would
-        add all of it after the keys' work (in the cost model, 16 queries of 4 or 8 heads per KV
-        group: 3% to 9% slower resident), so those stay with the ring."""
+        (``issue_loads``), V in RESIDENT_VALUE_PIECES gathers, and ``_attend`` runs every chunk's keys'
+        work (transposes, scores, softmax) while the values stream in, then P V load by load. Otherwise
+        V lands in a ring of buffers (``value_buffers``) whose ones columns are set once, here (a
+        memset per load would wait for GpSimd's queue), and each load starts the next, a chunk ahead."""
         d, item = self.k.shape[2], itemsize(self.k.dtype)
         per_key = kv_heads * ((2 * d + 1) * item + rows * item)  # K, [V | 1] and P^T, per partition
-        fits = sum(t for _, _, t in planned) * per_key <= nl.tile_size.sbuf_fmax_bytes - PAGED_SBUF_RESERVE
-        self.resident = fits and rows < SHIFT_MIN_ROWS
+        self.resident = sum(t for _, _, t in planned) * per_key <= nl.tile_size.sbuf_fmax_bytes - PAGED_SBUF_RESERVE
         if self.resident:
-            return max(0, len(planned) * kv_heads - 1)
+            return
         for _ in range(value_buffers(kv_heads)):
             buffer = nl.ndarray((P, self.per_partition, kv_heads, d + 1), self.v.dtype, buffer=nl.sbuf)
             nisa.memset(dst=buffer[:, :, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
             self.value_ring.append(buffer)
-        return 0
 
     def plan(self, first, end, per_partition):
         return aligned_chunk_plan(first, end, per_partition)
@@ -496,7 +511,7 @@ class _PagedCache(nl.NKIObject):
         for source in loads:
             source.load_keys()
         for source in loads:
-            source.load_values()
+            source.load_values(RESIDENT_VALUE_PIECES)
 
     def order_gather(self, gather):
         """Keep the gathers' transfers in issue order, two in flight (one's fixed latency passes while
@@ -519,7 +534,8 @@ class _Chunk(nl.NKIObject):
         self.causal_cut, self.window_cut = causal_cut, window_cut
         self.constants = constants
         self.source = source  # _DenseCache, or the _PagedBlocks this chunk's keys were gathered into
-        self.keys = self.values = self.keys_t = self.logits = self.probs = self.banks = None
+        self.keys = self.values = self.keys_t = self.logits = self.probs = self.banks = self.pv = None
+        self.row_max = None  # [1, rows] fp32, from max_scores to softmax
         self.last = False  # the group's last chunk
         self.query_groups = []  # groups whose queries this chunk's load stage loads (before its keys)
 
@@ -627,6 +643,17 @@ class _Chunk(nl.NKIObject):
             nisa.activation(dst=logits[:, j0 : j0 + jc, :], op=nl.copy, data=bank)
         return logits
 
+    def max_scores(self):
+        """The chunk's max per row (``_row_max``), for ``softmax``; scores that VectorE will subtract
+        the max from (few rows, or masked or softcapped) are gathered into one tile first."""
+        if self.logits is None and self.group.rows >= SHIFT_MIN_ROWS:
+            self.row_max = self._row_max([bank for _, _, bank in self.banks])
+            return
+        if self.logits is None:  # few rows: subtracting on VectorE is cheaper than the rank-1 updates
+            self.logits = self.banks[0][2] if len(self.banks) == 1 else self._gathered_banks()
+            self.banks = None
+        self.row_max = self._row_max([self.logits])
+
     def softmax(self):
         """P^T = exp(exp_scale * (S^T - max)) with the chunk's max per row, and that max as a column.
 
@@ -637,10 +664,10 @@ class _Chunk(nl.NKIObject):
         scores (in SBUF), and those of fewer than SHIFT_MIN_ROWS rows, get it broadcast by a ones-row
         matmul and subtracted on VectorE."""
         group, parts, t, rows = self.group, self.parts, self.t, self.group.rows
+        row_max, self.row_max = self.row_max, None
         self.probs = nl.ndarray((parts, t, rows), group.dtype, buffer=nl.sbuf)
         column = nl.ndarray((rows, 1), nl.float32, buffer=nl.psum)  # the max, one row per partition
         if self.logits is None and rows >= SHIFT_MIN_ROWS:
-            row_max = self._row_max([bank for _, _, bank in self.banks])
             negated = nl.ndarray((1, rows), group.dtype, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=negated, data=row_max, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
             for j0, jc, bank in self.banks:
@@ -656,10 +683,6 @@ class _Chunk(nl.NKIObject):
             nisa.nc_matmul(dst=column, stationary=negated, moving=self.constants.minus_one)
             self.banks = None
         else:
-            if self.logits is None:  # few rows: subtracting on VectorE is cheaper than the rank-1 updates
-                self.logits = self.banks[0][2] if len(self.banks) == 1 else self._gathered_banks()
-                self.banks = None
-            row_max = self._row_max([self.logits])
             spread_psum = nl.ndarray((parts, rows), nl.float32, buffer=nl.psum)
             nisa.nc_matmul(dst=spread_psum, stationary=self.constants.ones_fp32[:, 0:parts], moving=row_max)
             spread = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)  # VectorE reads one PSUM input at most
@@ -675,18 +698,49 @@ class _Chunk(nl.NKIObject):
 
     def multiply_values(self):
         """[P V | rowsum P] over the chunk's T blocks in one PSUM bank, merged into the group's state."""
-        group, t, d = self.group, self.t, self.group.d
-        pv = nl.ndarray((group.rows, d + 1), nl.float32, buffer=nl.psum)
-        for j in range(t):
-            nisa.nc_matmul(dst=pv, stationary=self.probs[:, j, :], moving=self.values[j])
-        self.probs = self.values = None
-        group.merge(self.max_column, pv)
+        self.multiply_blocks(0, self.t)
+        self.merge_values()
+
+    def multiply_blocks(self, first, end):
+        """Accumulate [P V | rowsum P] of key blocks first..end-1 (the first call makes the PSUM tile)."""
+        if self.pv is None:
+            self.pv = nl.ndarray((self.group.rows, self.group.d + 1), nl.float32, buffer=nl.psum)
+        for j in range(first, end):
+            nisa.nc_matmul(dst=self.pv, stationary=self.probs[:, j, :], moving=self.values[j])
+
+    def merge_values(self):
+        """Fold the accumulated [P V | rowsum P] into the group's state."""
+        self.weigh()
+        self.fold()
+
+    def weigh(self):
+        """The group's new running max and the weights of its state and of this chunk."""
+        self.group.weigh(self.max_column)
         self.max_column = None
+
+    def fold(self):
+        """Fold the accumulated [P V | rowsum P] into the group's state with the weights."""
+        self.probs = self.values = None
+        self.group.accumulate(self.pv)
+        self.pv = None
 
 
 # (stage, chunks ahead of the last stage): each engine's issue order within a tick.
-_STAGES = (("load", 3), ("transpose_keys", 2), ("scores", 1), ("softmax", 1), ("multiply_values", 0))
+_STAGES = (
+    ("load", 3),
+    ("transpose_keys", 2),
+    ("scores", 1),
+    ("max_scores", 1),
+    ("softmax", 1),
+    ("multiply_values", 0),
+)
 _LEAD = max(lead for _, lead in _STAGES)
+# With resident loads the keys' stages run alone (P V follows them all), each a chunk apart, so that
+# no engine waits within a tick on what another engine does in it: TensorE runs without the stalls
+# of the max's chain (VectorE, GpSimd, then TensorE's broadcast) that the stages above leave it. The
+# same spacing in _STAGES (load 5 ... multiply_values 0) measured mixed: the Mistral-7B 4-query layer
+# 61.3 -> 54.8 us, the contiguous batch 8 377.2 -> 378.6 us and the paged batch 8 411.4 -> 425.2 us.
+_RESIDENT_STAGES = (("load", 4), ("transpose_keys", 3), ("scores", 2), ("max_scores", 1), ("softmax", 0))
 
 
 @nki.jit
@@ -738,11 +792,13 @@ def flash_decode_paged_fwd(q, k_slots, v_slots, block_table, block_size, lengths
         As ``flash_decode_fwd``, with T (keys per partition) a power of two dividing block_size, so a
         partition's keys lie in one block (``paged_keys_per_partition``), and each chunk's K and V
         gathered once for all KV heads (``_PagedBlocks``): T x Hkv x D contiguous elements per
-        partition, two gathers in flight, in issue order. When every load fits in SBUF at once and a
-        KV group has fewer than SHIFT_MIN_ROWS rows (``_PagedCache.reserve``), every K gather goes
-        before every V gather and P V waits for every chunk's softmax, so the keys' work overlaps the
-        values' transfer; otherwise the next chunk's gathers are issued when a chunk's are first used
-        and V lands in a ring of buffers whose ones columns are set once.
+        partition, two gathers in flight, in issue order. When every load fits in SBUF at once
+        (``_PagedCache.reserve``), every K gather goes before every V gather and every chunk's keys'
+        work (``_RESIDENT_STAGES``) runs while the values land; then P V, load by load, each V
+        gather's key blocks for every KV head before the next's, and the merges step by step across
+        the KV heads, so that little follows the last value. Otherwise the next chunk's gathers are
+        issued when a chunk's are first used and V lands in a ring of buffers whose ones columns are
+        set once.
     """
     batch, heads, sq, d = q.shape
     kv_heads = k_slots.shape[1]
@@ -782,7 +838,7 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
         plans.append(
             (offset, [chunk for lo, hi in zip(edges, edges[1:]) for chunk in sources.plan(lo, hi, per_partition)])
         )
-    trail = sources.reserve([chunk for _, planned in plans for chunk in planned], kv_heads, rows)
+    sources.reserve([chunk for _, planned in plans for chunk in planned], kv_heads, rows)
     chunks = []
     previous = None  # the last shared load planned
     for b, (offset, planned) in enumerate(plans):
@@ -831,12 +887,38 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
             chunk.query_groups = []
     sources.issue_loads([chunk.source for chunk in chunks])
     # A software pipeline over the chunks: at each tick every stage works on a different chunk,
-    # LEAD chunks apart, so loads run ahead of the transposes and those ahead of the softmax; the
-    # values' stage (the last) trails the others by ``trail`` chunks more.
-    stages = [(stage, lead if stage == _STAGES[-1][0] else lead + trail) for stage, lead in _STAGES]
-    for n in range(-_LEAD - trail, len(chunks)):
+    # LEAD chunks apart, so loads run ahead of the transposes and those ahead of the softmax. With
+    # resident loads the values' stage runs after it, every chunk's keys' work done.
+    loads = _by_load(chunks) if sources.resident else []
+    stages = _RESIDENT_STAGES if sources.resident else _STAGES
+    for n in range(-max(lead for _, lead in stages), len(chunks)):
         for stage, lead in stages:
             if 0 <= n + lead < len(chunks):
                 getattr(chunks[n + lead], stage)()
-        if n >= 0 and chunks[n].last:
+        if n >= 0 and chunks[n].last and not sources.resident:
             chunks[n].group.finish(out, lse_out)
+    # Resident: P V load by load in the order the values land, each V gather's key blocks for every
+    # KV head before the next gather's, so that after the last lands only its blocks remain.
+    for source, sharing in loads:
+        for first, count in source.value_pieces:
+            for chunk in sharing:
+                chunk.multiply_blocks(first, first + count)
+        # each step for every KV head before the next step: a head's steps wait on each other
+        for chunk in sharing:
+            chunk.weigh()
+        for chunk in sharing:
+            chunk.fold()
+        for chunk in sharing:
+            if chunk.last:
+                chunk.group.finish(out, lse_out)
+
+
+def _by_load(chunks):
+    """(shared load, the chunks that take it) in chunk order: a load's KV heads' chunks are consecutive."""
+    loads = []
+    for chunk in chunks:
+        if loads and loads[-1][0] is chunk.source:
+            loads[-1][1].append(chunk)
+        else:
+            loads.append((chunk.source, [chunk]))
+    return loads
