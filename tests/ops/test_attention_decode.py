@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels_neuron import sim
+from kernels_neuron import cost, sim
 from kernels_neuron.ops import attention as ops
 from kernels_neuron.ops.attention import DECODE_MAX_QUERIES, attention_reference, flash_attention
 
@@ -326,6 +326,75 @@ def test_a_paged_cache_reads_only_the_blocks_the_lengths_cover_once_for_every_kv
     assert sum(i.hbm_bytes_read for i in gathered) == kv_bytes
     # each partition's T slots of every KV head are one contiguous run (not a run per head and slot)
     assert all(i.attrs["contiguous_bytes"] == i.attrs["bytes_per_partition"] >= 256 for i in gathered)
+
+
+def _paged_run(batch, heads, kv_heads, d, block_size, lengths, sq, dtype=torch.float32, **kwargs):
+    """Run the paged kernel in full; return its output, the per-row dense reference and the gather DMAs
+    (in issue order, each marked K or V by the tensor it reads)."""
+    k_cache, v_cache, table, dense_k, dense_v = _paged(batch, kv_heads, d, block_size, lengths, dtype)
+    q = _inputs(batch, heads, kv_heads, sq, 1, d, dtype, seed=12)[0]
+    options = (kwargs.get("causal", True), kwargs.get("window") or 0, kwargs.get("softcap") or 0.0)
+    slots = (k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d))
+    result = sim.run(DECODE.flash_decode_paged_fwd, q, *slots, table, block_size, tuple(lengths), d**-0.5, *options)
+    out = result.outputs[0].float()
+    expected = _per_row_reference(q, dense_k, dense_v, [(0, n) for n in lengths], **kwargs)
+    # the gathers land [partitions, T, Hkv, D] (the queries and the block table load 2-D tiles)
+    gathers = [i for i in result.trace.instructions if i.op == "dma_copy" and len(i.operands[0].shape) == 4]
+    keys_id = gathers[0].reads[0].buffer_id  # the first gather is always the first chunk's K
+    marks = "".join("K" if i.reads[0].buffer_id == keys_id else "V" for i in gathers)
+    return out, expected, gathers, marks
+
+
+def _two_in_flight(gathers):
+    """Each gather waits for the one issued two before it, and for nothing else of the kind."""
+    return all(i.attrs.get("depends_on") == [gathers[n - 2].index] for n, i in enumerate(gathers) if n >= 2) and all(
+        "depends_on" not in i.attrs for i in gathers[:2]
+    )
+
+
+@pytest.mark.parametrize(
+    "block_size, lengths, heads, sq, kwargs",
+    [
+        (16, [1500], 8, 1, dict(causal=True)),  # chunks of 8, 2 and 1 key rows and a partial row
+        (256, [2300, 700], 8, 2, dict(causal=True, window=900)),
+        (16, [1100], 16, 4, dict(causal=True, window=300)),  # 32 rows per KV head
+        (16, [1100], 8, 16, dict(causal=True, window=300)),  # 64 rows: the max in PSUM, masked keys split off
+    ],
+    ids=["blocks-16-ragged", "blocks-256-window", "32-rows-window", "64-rows-window"],
+)
+def test_a_paged_cache_that_fits_in_sbuf_gathers_every_key_before_any_value(block_size, lengths, heads, sq, kwargs):
+    out, expected, gathers, marks = _paged_run(len(lengths), heads, 2, 64, block_size, lengths, sq, **kwargs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    loads = marks.count("K")
+    assert loads >= 3 and marks == "K" * loads + "V" * (len(marks) - loads)
+    # V in pieces of consecutive key blocks, so that P V starts on the first to land
+    blocks = [i.operands[0].shape[1] for i, mark in zip(gathers, marks) if mark == "K"]
+    assert marks.count("V") == sum(min(DECODE.RESIDENT_VALUE_PIECES, t) for t in blocks)
+    assert _two_in_flight(gathers)
+
+
+def test_a_paged_cache_too_big_for_sbuf_streams_through_a_ring_of_value_buffers():
+    # fp32, 2 KV heads of 64: 1064 bytes per partition per key row with its probabilities; 26000 keys
+    # need 204 rows, over the 200 KiB the loads may take
+    out, expected, gathers, marks = _paged_run(2, 8, 2, 64, 16, [14000, 12000], 1, causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert len(gathers) >= 6 and marks == "KV" * (len(gathers) // 2)
+    assert _two_in_flight(gathers)
+
+
+def test_a_batch_1_paged_cache_is_modelled_within_10_percent_of_the_contiguous_one():
+    """Qwen3-8B's layer at batch 1 (32 query heads over 8 KV heads, 4096 cached keys, d = 128, bf16):
+    the paged cache's loads hold every KV head, and the first must land before any head starts."""
+    heads, kv_heads, keys, d, block_size = 32, 8, 4096, 128, 16
+    k_cache, v_cache, table, dense_k, dense_v = _paged(1, kv_heads, d, block_size, [keys], torch.bfloat16)
+    q = _inputs(1, heads, kv_heads, 1, 1, d, torch.bfloat16)[0]
+    slots = (k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d))
+    options = (d**-0.5, True, 0, 0.0)
+    paged = sim.run(DECODE.flash_decode_paged_fwd, q, *slots, table, block_size, (keys,), *options, numerics=False)
+    k, v = (x[:, :, :keys].contiguous() for x in (dense_k, dense_v))
+    dense = sim.run(DECODE.flash_decode_fwd, q, k, v, *options, numerics=False)
+    paged_us, dense_us = (cost.estimate_trace(r.trace, "trn2").time_us for r in (paged, dense))
+    assert paged_us <= 1.1 * dense_us, (paged_us, dense_us)
 
 
 def test_a_cache_with_more_slots_than_fp32_counts_exactly_is_refused():
