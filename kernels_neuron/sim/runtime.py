@@ -183,8 +183,12 @@ class Run:
     ) -> Instruction:
         reads = [(role, t) for role, t in reads if t is not None]
         writes = [(role, t) for role, t in writes if t is not None]
-        # The offsets of an .indirect() view are an input of the instruction that gathers or scatters with it.
+        # The offsets of an .indirect() view, and the vector_offset rows of a DMA gather or scatter, are inputs
+        # of the instruction that uses them.
         indexes = [(f"{role}_index", t._columns.index) for role, t in writes + reads if t._columns is not None]
+        indexes += [
+            (f"{role}_vector_offset", t._indirect.index) for role, t in writes + reads if t._indirect is not None
+        ]
         reads += indexes
         uncomputed = self.uncomputed
         if not self.numerics and any(t._buf.address in uncomputed for _, t in reads):

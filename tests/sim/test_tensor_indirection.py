@@ -377,3 +377,25 @@ def test_trace_only_run_through_computed_offsets_leaves_the_same_trace():
     traced = sim.run(index_built_in_kernel, data, target="trn3", numerics=False)
     assert traced.trace.instructions == full.trace.instructions
     assert traced.outputs is None
+
+
+@nki.jit
+def rows_gathered_by_dma(data):
+    rows = nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf)
+    nisa.iota(rows, [[1, 1]], offset=2, channel_multiplier=3)  # rows 2, 5, 8, 11
+    out = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=out, src=data.ap(pattern=[[8, 4], [1, 8]], offset=0, vector_offset=rows))
+    return to_hbm(out)
+
+
+def test_a_dma_gather_reads_its_vector_offset_rows_and_waits_for_them():
+    """The gather's row indices are an input of the DMA: recorded as a read, so the cost model cannot
+    start the transfer before the instruction that computes them has finished."""
+    data = RNG.random((16, 8), dtype=np.float32)
+    result = sim.run(rows_gathered_by_dma, data)
+    np.testing.assert_array_equal(result.outputs, data[[2, 5, 8, 11]])
+    iota, gather, _store = (i for i in result.trace if i.op in ("iota", "dma_copy"))
+    assert [o.role for o in gather.operands] == ["dst", "src", "src_vector_offset"]
+    assert iota.writes[0] in gather.reads
+    slots = schedule(result.trace.instructions, HARDWARE["trn2"]).slots
+    assert slots[gather.index].start >= slots[iota.index].end
