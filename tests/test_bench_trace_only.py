@@ -12,6 +12,7 @@ import pytest
 from test_bench_references import SMALL
 
 from kernels_neuron import bench, cost, sim
+from kernels_neuron.bench import suite as bench_suite
 from kernels_neuron.bench.calibration import fully_optimized
 from kernels_neuron.cli import main
 
@@ -77,6 +78,15 @@ def test_parallel_suite_runs_give_the_serial_records_in_order():
     assert modelled(parallel) == modelled(serial)
     with pytest.raises(ValueError, match="jobs must be at least 1"):
         bench.run_suite(cases, jobs=0)
+    unpicklable = dataclasses.replace(cases[0], prepare_reference=lambda *args: None)
+    with pytest.raises(ValueError, match="'rmsnorm-fwd/llama' cannot be sent to a worker process"):
+        bench.run_suite([unpicklable, cases[1]], progress=False, jobs=2)
+
+
+def test_every_suite_case_can_go_to_a_worker_process():
+    for case in bench_suite.CASES:
+        copy = pickle.loads(pickle.dumps(case))
+        assert copy.name == case.name and copy.kernel.func is case.kernel.func
 
 
 def _small(name):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import pickle
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -193,6 +194,14 @@ def run_suite(
                 if advance is not None:
                     advance(case.name, done=True)
             return records
+        for case in chosen:  # before any work: the pool would only fail when it reaches the case
+            try:
+                pickle.dumps(case)
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                raise ValueError(
+                    f"case {case.name!r} cannot be sent to a worker process ({exc}); run it with jobs=1 "
+                    "(--jobs 1), or build it from module-level kernels and functions"
+                ) from exc
         # Spawned workers import what they need (a forked one would inherit torch's thread pools);
         # each installs the simulator first, as the suite module does on import.
         pool = stack.enter_context(

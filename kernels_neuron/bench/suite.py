@@ -177,22 +177,20 @@ def _layernorm_forward(x, weight, bias, eps):
     return partial(layer_norm_reference, x, weight, bias, eps)
 
 
-def _layernorm_backward(bias: bool):
+def _layernorm_with_bias(x, weight, bias):
+    return layer_norm_reference(x, weight, bias, LAYERNORM_EPS)
+
+
+def _layernorm_backward(bias: bool, dy, x, weight, mean, rstd):
     """Autograd through the module's forward against dy: (dx, dweight[, dbias]), the kernel's leading
-    outputs. ``mean`` and ``rstd`` are the kernel's saved statistics, which autograd keeps in its graph."""
-
-    def prepare(dy, x, weight, mean, rstd):
-        leaves = (x, weight, torch.zeros_like(weight)) if bias else (x, weight)
-
-        def forward(x, weight, bias=None):
-            return layer_norm_reference(x, weight, bias, LAYERNORM_EPS)
-
-        return autograd_backward(forward, dy, leaves)
-
-    return prepare
+    outputs (``bias``: whether the module has one; its gradient is taken at zero). ``mean`` and ``rstd``
+    are the kernel's saved statistics, which autograd keeps in its graph."""
+    if bias:
+        return autograd_backward(_layernorm_with_bias, dy, (x, weight, torch.zeros_like(weight)))
+    return autograd_backward(partial(_layernorm_with_bias, bias=None), dy, (x, weight))
 
 
-_LAYERNORM_BACKWARDS = {bias: _layernorm_backward(bias) for bias in (False, True)}
+_LAYERNORM_BACKWARDS = {bias: partial(_layernorm_backward, bias) for bias in (False, True)}
 
 
 def layernorm_case(
