@@ -262,8 +262,7 @@ def _union_bytes(boxes: list[tuple[int, int, int, int]]) -> int:
 
 def box_of(buf: Buffer, view: np.ndarray) -> Region:
     """The partition/byte box ``view`` touches inside ``buf``'s own storage."""
-    base = buf.data.__array_interface__["data"][0]
-    start = view.__array_interface__["data"][0] - base
+    start = view.__array_interface__["data"][0] - buf.address
     lo = hi = start
     for n, s in zip(view.shape, view.strides):
         if n == 0:
@@ -305,7 +304,7 @@ def _touched(t: Tensor) -> tuple[Any, Any] | None:
         if not columns.index_known():
             return None
         view = columns.base._view
-        offsets = view.__array_interface__["data"][0] - buf.data.__array_interface__["data"][0]
+        offsets = view.__array_interface__["data"][0] - buf.address
         for index, stride in zip(columns.targets(), view.strides):
             offsets = offsets + index * stride
         return _element_bytes(np.asarray(offsets).reshape(-1), view.itemsize, buf.partition_bytes)
@@ -313,7 +312,7 @@ def _touched(t: Tensor) -> tuple[Any, Any] | None:
     box = box_of(buf, view)
     if view.size * view.itemsize == (box.p1 - box.p0) * (box.b1 - box.b0):
         return slice(box.p0, box.p1), slice(box.b0, box.b1)
-    offsets = np.array([view.__array_interface__["data"][0] - buf.data.__array_interface__["data"][0]])
+    offsets = np.array([view.__array_interface__["data"][0] - buf.address])
     for n, stride in zip(view.shape, view.strides):
         offsets = (offsets[:, None] + np.arange(n) * stride).reshape(-1)
     return _element_bytes(offsets, view.itemsize, buf.partition_bytes)

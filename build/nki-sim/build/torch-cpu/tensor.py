@@ -243,8 +243,7 @@ class Tensor:
     @property
     def offset(self) -> int:
         """Element offset of this view's first element from the start of its allocation."""
-        base = self._buf.data.__array_interface__["data"][0]
-        return (self._view.__array_interface__["data"][0] - base) // self._view.itemsize
+        return (self._view.__array_interface__["data"][0] - self._buf.address) // self._view.itemsize
 
     def get_pattern(self) -> list[list[int]]:
         """This view as an access pattern ``[[step, num], ...]`` (pass it back to ``.ap``)."""
@@ -378,7 +377,7 @@ class Tensor:
         if view is None:
             written = self._buf.written
             assert written is not None, "only PSUM tiles keep write bookkeeping"
-            view = self._written = _same_view(written, self._buf.data, self._view)
+            view = self._written = _same_view(written, self._buf, self._view)
         return view
 
     def _scatter(self, values: np.ndarray, instruction: str, psum_writer: int) -> None:
@@ -893,10 +892,11 @@ def _resolve_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
     return shape
 
 
-def _same_view(target: np.ndarray, base: np.ndarray, view: np.ndarray) -> np.ndarray:
-    """Apply ``view``'s offset/strides (taken relative to ``base``) to a parallel array ``target``."""
+def _same_view(target: np.ndarray, buf: Buffer, view: np.ndarray) -> np.ndarray:
+    """Apply ``view``'s offset/strides (taken relative to ``buf``'s storage) to a parallel array ``target``."""
+    base = buf.data
     scale_from, scale_to = base.itemsize, target.itemsize
-    offset = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    offset = view.__array_interface__["data"][0] - buf.address
     # A dtype-reinterpreting view only happens on whole rows; map bytes to base elements.
     elem = offset // scale_from
     strides = tuple(s * scale_to // scale_from for s in view.strides)
