@@ -313,8 +313,8 @@ def _launch_ranks(
             labels = [f"rank {rank}" + (f" program {list(p)}" if grid != (1,) else "") for rank, p in every_program]
         programs = cores.Programs([functools.partial(run_program, *rp) for rp in every_program], labels)
         programs.run()
-        # run_program's closure holds the scheduler, which holds run_program: without this cycle the trace
-        # is freed with the last reference to it, not at the next full garbage collection.
+        # run_program's closure holds the scheduler, which holds run_program: dropping it breaks the cycle,
+        # so the trace is freed with its last reference rather than at the next full garbage collection.
         programs = None
     for buf in arguments:
         if buf.address in uncomputed:
