@@ -116,7 +116,7 @@ def _bench(args: argparse.Namespace) -> int:
             name_filter=args.filter,
             progress=sys.stderr.isatty(),
             check_numerics=args.check_numerics,
-            jobs=args.jobs or bench.usable_cpus(),
+            jobs=args.jobs or bench.default_jobs(),
         )
     except ValueError as exc:
         console.print(f"[red]{exc}[/]; cases: " + ", ".join(c.name for c in cases))
@@ -287,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs",
         type=int,
         default=0,
-        help="cases simulated at once, in worker processes (default: one per usable CPU; one where a "
-        "Trainium device is timed)",
+        help="cases simulated at once, in worker processes (default: one per usable CPU, at most 8; one "
+        "where a Trainium device is timed)",
     )
     bench_cmd.set_defaults(run=_bench)
     build_cmd = commands.add_parser("build", help="regenerate build/ (the Hub repos) from the sources")

@@ -151,3 +151,12 @@ def test_trace_only_runs_of_the_suite_kernels_skip_the_engines_arithmetic(monkey
         sim.run(case.kernel, *args, grid=case.grid, numerics=False, **case.kwargs)
     with pytest.raises(AssertionError, match="a trace-only run computed"):
         sim.run(SMALL[0].kernel, *inputs[0], **SMALL[0].kwargs)  # a full run does compute
+
+
+def test_default_jobs_is_one_per_usable_cpu_at_most_eight(monkeypatch):
+    from kernels_neuron.bench import runner
+
+    monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert bench.default_jobs() == runner.MAX_DEFAULT_JOBS == 8
+    monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert bench.default_jobs() == 2

@@ -14,13 +14,13 @@ from .case import Case, Record
 from .output import plot_roofline, render_table, write_json
 from .runner import (
     TraceMismatch,
+    default_jobs,
     device_available,
     device_calls,
     run_case,
     run_suite,
     torch_inputs,
     trace_difference,
-    usable_cpus,
 )
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
     "torch_inputs",
     "trace_difference",
     "TraceMismatch",
-    "usable_cpus",
+    "default_jobs",
     "render_table",
     "write_json",
     "plot_roofline",

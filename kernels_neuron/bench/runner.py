@@ -158,10 +158,16 @@ def run_case(
     return record
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the OS tells it)."""
+# Each worker holds torch and one case's trace (about 1.5 GB at most, for the largest MoE case).
+MAX_DEFAULT_JOBS = 8
+
+
+def default_jobs() -> int:
+    """Worker processes ``kernels-neuron bench`` starts unless told: one per CPU this process may run on
+    (its affinity where the OS tells it), at most MAX_DEFAULT_JOBS."""
     affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    cpus = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return min(cpus, MAX_DEFAULT_JOBS)
 
 
 def run_suite(
