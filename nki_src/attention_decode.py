@@ -298,25 +298,33 @@ class _DenseCache(nl.NKIObject):
     """K/V [B, Hkv, Sk, D]: each chunk loads its own KV head's keys, one contiguous run per partition."""
 
     shares_loads = False
-    resident = False  # each chunk's loads are issued in its load stage
 
     def __init__(self, k, v):
         self.k, self.v = k, v
+        self.resident = False  # every load has buffers of its own (reserve)
 
     def plan(self, first, end, per_partition):
         return chunk_plan(first, end, per_partition)
 
     def reserve(self, planned, kv_heads, rows):
-        """Nothing to reserve: each chunk loads its own keys in its load stage."""
+        """Resident (as ``_PagedCache.reserve``) when every KV head's loads of every planned chunk and
+        their probabilities fit in SBUF at once; otherwise each chunk loads its keys in its load stage."""
+        d, item = self.k.shape[3], itemsize(self.k.dtype)
+        per_key = kv_heads * ((2 * d + 1) * item + rows * item)  # K, [V | 1] and P^T, per partition
+        budget = nl.tile_size.sbuf_fmax_bytes - PAGED_SBUF_RESERVE
+        self.resident = sum(t for _, _, t in planned) * per_key <= budget
 
-    def chunk_source(self, b, k0, parts, per_partition, kv_heads, constants):
-        return self  # each KV head's chunk loads its own keys
+    def chunk_source(self, b, g, k0, parts, per_partition, constants):
+        """What one KV head's chunk loads from: buffers of its own when resident, else the cache itself."""
+        return _DenseLoad(self, b, g, k0, parts, per_partition) if self.resident else self
 
     def prepare(self):
         """Nothing to compute ahead: the chunks' addresses are static."""
 
     def issue_loads(self, sources):
-        """Nothing up front: each chunk loads its keys in its load stage."""
+        """Resident: every K load, then every V load (a chunk's keys' work needs only its K)."""
+        if self.resident:
+            _issue_resident_loads(sources, 1)
 
     def take(self, chunk):
         """Per key block t: K [parts, D] and [V | 1] [parts, D + 1] of the chunk's keys."""
@@ -330,6 +338,56 @@ class _DenseCache(nl.NKIObject):
         nisa.memset(dst=values[:, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
         nisa.dma_copy(dst=values[:, :, 0:d], src=self.v[group.b, group.g, span, :].reshape((parts, t, d)))
         return [keys[:, j, :] for j in range(t)], [values[:, j, :] for j in range(t)]
+
+
+class _DenseLoad(nl.NKIObject):
+    """One KV head's keys ``k0 + p*T + t`` of a contiguous cache in buffers of their own (a resident
+    load): K, and V beside a ones column set when the buffer is made."""
+
+    def __init__(self, cache, b, g, k0, parts, per_partition):
+        self.cache, self.b, self.g, self.k0, self.parts, self.t = cache, b, g, k0, parts, per_partition
+        d = cache.k.shape[3]
+        self.keys = nl.ndarray((parts, per_partition, d), cache.k.dtype, buffer=nl.sbuf)
+        self.values = nl.ndarray((parts, per_partition, d + 1), cache.v.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=self.values[:, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
+        self.loaded = False
+        self.value_pieces = None
+
+    def prepare(self):
+        """Nothing to compute ahead: the addresses are static."""
+
+    def _span(self, tensor):
+        span = slice(self.k0, self.k0 + self.parts * self.t)
+        return tensor[self.b, self.g, span, :].reshape((self.parts, self.t, tensor.shape[3]))
+
+    def load_keys(self):
+        nisa.dma_copy(dst=self.keys, src=self._span(self.cache.k))
+
+    def load_values(self, pieces=1):
+        d = self.cache.v.shape[3]
+        self.value_pieces = list(tiles(self.t, ceil_div(self.t, pieces)))
+        source = self._span(self.cache.v)
+        for j0, jc in self.value_pieces:
+            nisa.dma_copy(dst=self.values[:, j0 : j0 + jc, 0:d], src=source[:, j0 : j0 + jc, :])
+
+    def take(self, chunk):
+        keys, values = self.keys, self.values
+        self.keys = self.values = None
+        return [keys[:, j, :] for j in range(self.t)], [values[:, j, :] for j in range(self.t)]
+
+
+def _issue_resident_loads(sources, value_pieces):
+    """Every K load, then every V load in ``value_pieces`` transfers each, each load once though
+    several chunks may name it."""
+    loads = []
+    for source in sources:
+        if not source.loaded:
+            source.loaded = True
+            loads.append(source)
+    for source in loads:
+        source.load_keys()
+    for source in loads:
+        source.load_values(value_pieces)
 
 
 class _PagedBlocks(nl.NKIObject):
@@ -501,17 +559,8 @@ class _PagedCache(nl.NKIObject):
 
     def issue_loads(self, sources):
         """Resident: every K gather, then every V gather (a chunk's keys' work needs only its K)."""
-        if not self.resident:
-            return
-        loads = []
-        for source in sources:  # each load once, though every KV head's chunk names it
-            if not source.loaded:
-                source.loaded = True
-                loads.append(source)
-        for source in loads:
-            source.load_keys()
-        for source in loads:
-            source.load_values(RESIDENT_VALUE_PIECES)
+        if self.resident:
+            _issue_resident_loads(sources, RESIDENT_VALUE_PIECES)
 
     def order_gather(self, gather):
         """Keep the gathers' transfers in issue order, two in flight (one's fixed latency passes while
@@ -853,7 +902,11 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
             if sources.shares_loads
             else [(n, g) for g in range(kv_heads) for n in range(len(planned))]
         )
-        shared = [sources.chunk_source(b, k0, parts, t, kv_heads, constants) for k0, parts, t in planned]
+        shared = (
+            [sources.chunk_source(b, k0, parts, t, kv_heads, constants) for k0, parts, t in planned]
+            if sources.shares_loads
+            else []
+        )
         if sources.shares_loads:  # each shared load starts the next one's, a whole chunk ahead
             for source in shared:
                 if previous is not None:
@@ -870,7 +923,7 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
                 offset if causal and last_key > offset else None,
                 offset - window + 1 if window and k0 < sq - 1 + offset - window + 1 else None,
                 constants,
-                shared[n],
+                shared[n] if sources.shares_loads else sources.chunk_source(b, g, k0, parts, t, constants),
             )
             chunk.last = n == len(planned) - 1
             if n == 0 and (g == 0 or not sources.shares_loads):  # with shared loads, one chunk loads every group's
