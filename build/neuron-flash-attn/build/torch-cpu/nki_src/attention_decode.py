@@ -128,18 +128,13 @@ def fits_resident(key_rows, kv_heads, head_dim, element_bytes, rows, sbuf_bytes)
 
 def chunk_plan(first, end, per_partition):
     """(k0, partitions, T) chunks covering keys [first, end): full chunks of P x T keys, then the rest
-    with the fewest keys per partition that take it on at most P partitions (so each partition's run
-    stays as long as it can), then the few keys left over one per partition."""
+    as whole 128-key rows, then one partial row of single keys."""
     chunks = []
     k0 = first
-    while end - k0 >= P * per_partition:
-        chunks.append((k0, P, per_partition))
-        k0 += P * per_partition
-    if end > k0:
-        t = ceil_div(end - k0, P)
-        parts = (end - k0) // t
-        chunks.append((k0, parts, t))
-        k0 += parts * t
+    while end - k0 >= P:
+        t = min(per_partition, (end - k0) // P)
+        chunks.append((k0, P, t))
+        k0 += P * t
     if end > k0:
         chunks.append((k0, end - k0, 1))
     return chunks
@@ -312,8 +307,8 @@ class _Constants(nl.NKIObject):
         """Whether the next K^T copy out of PSUM goes to ScalarE (else VectorE): every other one, or
         two of every three from SHIFT_MIN_ROWS rows. There VectorE reads each score once (the max)
         at 0.96 GHz and ScalarE once (the exp) at 1.2 GHz, so with the copies alternating VectorE
-        bounds the keys' work (a Mistral-7B 16-query layer, resident: VectorE 46.6 us busy, ScalarE
-        30.5 us, 66.1 us modelled; two of three: 40.7 and 35.2 us busy, 61.1 us)."""
+        bounds the keys' work (a Mistral-7B 16-query layer, resident: VectorE 46.4 us busy, ScalarE
+        29.4 us, 65.2 us modelled; two of three: 40.0 and 34.6 us busy, 59.8 us)."""
         self.key_copies += 1
         return self.key_copies % 3 != 0 if rows >= SHIFT_MIN_ROWS else self.key_copies % 2 == 0
 
@@ -816,7 +811,7 @@ _LEAD = max(lead for _, lead in _STAGES)
 # the K^T copies wait for this tick's transposes. In the opposite order (load, transposes, scores, max,
 # softmax) VectorE and ScalarE waited each tick for TensorE's transposes and TensorE for the copies, and
 # ScalarE's exp behind its copies held up the next tick's rank-1 updates: the Mistral-7B 16-query
-# layer (64 rows) modelled 76.5 us against 61.1 us in this order. With fewer rows the order moves the
+# layer (64 rows) modelled 75.2 us against 59.8 us in this order. With fewer rows the order moves the
 # figures by at most 0.2 us (decode-1-of-4096 10.1 -> 10.3 us; the 4- and 16-query single groups
 # 10.7 -> 10.5 and 11.4 -> 11.2 us; the layers and the paged cache unchanged).
 _RESIDENT_STAGES = (("load", 4), ("softmax", 0), ("max_scores", 1), ("transpose_keys", 3), ("scores", 2))
