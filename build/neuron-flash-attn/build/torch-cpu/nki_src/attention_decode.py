@@ -35,8 +35,9 @@ Tiling plan
         split-key combine: acc = acc * exp(m_old - m) + pv * exp(m_chunk - m)).
     Chunks run through a software pipeline (``_STAGES``) across every (batch, KV head), so one
     chunk's loads and transposes overlap an earlier chunk's softmax. Chunks that the window makes
-    invisible are never read. A paged cache that fits in SBUF runs P V after every chunk's softmax
-    (``flash_decode_paged_fwd``).
+    invisible are never read. When every load fits in SBUF at once (a short batch, ``fits_resident``)
+    each has buffers of its own, every K load goes before every V load, the keys' stages run alone
+    (``_RESIDENT_STAGES``) and P V follows, the KV heads' chunks of the same keys together.
 """
 
 import nki
@@ -58,15 +59,16 @@ SCORE_BANKS = 2  # PSUM banks one chunk's S^T may span (two chunks are in flight
 SHIFT_MIN_ROWS = 64
 CHUNK_BYTES = 4 * 1024  # K bytes per partition per chunk: a DMA saturates from 4 KiB per partition
 # A paged cache's chunks hold every KV head's keys, so they are large: up to PAGED_KEY_LOADS K tiles
-# are live (in use, prefetched, being freed) beside the ring of V buffers; PAGED_SBUF_RESERVE is left
-# for the rest (K^T, probabilities, queries). Measured: at T = 16, 8 KV heads, d = 128 the simulator's
+# are live (in use, prefetched, being freed) beside the ring of V buffers; SBUF_RESERVE is left
+# for the rest (K^T, probabilities, queries), there and beside resident loads (``fits_resident``). Measured: at T = 16, 8 KV heads, d = 128 the simulator's
 # SBUF peak (each tile counted from its first use to its last, on the partitions it takes) is 206,808
 # of Trn2's 229,376 bytes per partition.
 PAGED_KEY_LOADS = 3
-# A resident load's V arrives in this many gathers, so that P V starts on the first to land.
+# A resident paged load's V arrives in this many gathers, so that P V starts on the first to land (a
+# contiguous cache's V loads whole: one KV head's run of T keys per partition is only 4 KiB).
 RESIDENT_VALUE_PIECES = 2
 MAX_PAGED_SLOTS = 2**24  # the block table becomes slot indices in fp32 arithmetic, exact to 2**24
-PAGED_SBUF_RESERVE = 24 * 1024
+SBUF_RESERVE = 24 * 1024
 TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied out by one instruction
 FP32_MIN = -3.4028234663852886e38
 
@@ -117,6 +119,13 @@ def keys_per_partition(head_dim, element_bytes, rows):
     return max(1, min(CHUNK_BYTES // (head_dim * element_bytes), SCORE_BANKS * _bank_blocks(rows)))
 
 
+def fits_resident(key_rows, kv_heads, head_dim, element_bytes, rows, sbuf_bytes):
+    """Whether ``key_rows`` keys per partition of every KV head (K, [V | 1] and the probabilities
+    P^T of ``rows`` query rows) fit in the SBUF partition (``sbuf_bytes``) less SBUF_RESERVE."""
+    per_key = kv_heads * ((2 * head_dim + 1) * element_bytes + rows * element_bytes)
+    return key_rows * per_key <= sbuf_bytes - SBUF_RESERVE
+
+
 def chunk_plan(first, end, per_partition):
     """(k0, partitions, T) chunks covering keys [first, end): full chunks of P x T keys, then the rest
     as whole 128-key rows, then one partial row of single keys."""
@@ -157,12 +166,12 @@ def value_buffers(kv_heads):
 def paged_keys_per_partition(block_size, kv_heads, head_dim, element_bytes, rows, sbuf_bytes):
     """T for a paged cache: a power of two dividing ``block_size``, with S^T within SCORE_BANKS PSUM
     banks, and the loads in flight within the SBUF partition (``sbuf_bytes``) less
-    PAGED_SBUF_RESERVE: up to PAGED_KEY_LOADS K tiles and the ring of V buffers, T slots of every KV
+    SBUF_RESERVE: up to PAGED_KEY_LOADS K tiles and the ring of V buffers, T slots of every KV
     head each."""
     t = block_size & -block_size
     slot_bytes = PAGED_KEY_LOADS * kv_heads * head_dim * element_bytes
     slot_bytes += value_buffers(kv_heads) * kv_heads * (head_dim + 1) * element_bytes
-    while t > 1 and (t * slot_bytes > sbuf_bytes - PAGED_SBUF_RESERVE or t > SCORE_BANKS * _bank_blocks(rows)):
+    while t > 1 and (t * slot_bytes > sbuf_bytes - SBUF_RESERVE or t > SCORE_BANKS * _bank_blocks(rows)):
         t //= 2
     return t
 
@@ -292,31 +301,48 @@ class _Constants(nl.NKIObject):
         nisa.memset(dst=self.ones_fp32, value=1.0, engine=gpsimd)
         self.one_fp32 = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=self.one_fp32, value=1.0, engine=gpsimd)
+        self.key_copies = 0  # K^T copies out of PSUM issued so far
+
+    def next_key_copy_on_scalar(self, rows):
+        """Whether the next K^T copy out of PSUM goes to ScalarE (else VectorE): every other one, or
+        two of every three from SHIFT_MIN_ROWS rows. There VectorE reads each score once (the max)
+        at 0.96 GHz and ScalarE once (the exp) at 1.2 GHz, so with the copies alternating VectorE
+        bounds the keys' work (a Mistral-7B 16-query layer, resident: VectorE 46.4 us busy, ScalarE
+        29.4 us, 65.2 us modelled; two of three: 40.0 and 34.6 us busy, 59.8 us)."""
+        self.key_copies += 1
+        return self.key_copies % 3 != 0 if rows >= SHIFT_MIN_ROWS else self.key_copies % 2 == 0
 
 
 class _DenseCache(nl.NKIObject):
     """K/V [B, Hkv, Sk, D]: each chunk loads its own KV head's keys, one contiguous run per partition."""
 
     shares_loads = False
-    resident = False  # each chunk's loads are issued in its load stage
 
     def __init__(self, k, v):
         self.k, self.v = k, v
+        self.resident = False  # every load has buffers of its own (reserve)
 
     def plan(self, first, end, per_partition):
         return chunk_plan(first, end, per_partition)
 
     def reserve(self, planned, kv_heads, rows):
-        """Nothing to reserve: each chunk loads its own keys in its load stage."""
+        """Resident (as ``_PagedCache.reserve``) when every KV head's loads of every planned chunk and
+        their probabilities fit in SBUF at once; otherwise each chunk loads its keys in its load stage."""
+        d, item = self.k.shape[3], itemsize(self.k.dtype)
+        key_rows = sum(t for _, _, t in planned)
+        self.resident = fits_resident(key_rows, kv_heads, d, item, rows, nl.tile_size.sbuf_fmax_bytes)
 
-    def chunk_source(self, b, k0, parts, per_partition, kv_heads, constants):
-        return self  # each KV head's chunk loads its own keys
+    def head_source(self, b, g, k0, parts, per_partition):
+        """What one KV head's chunk loads from: buffers of its own when resident, else the cache itself."""
+        return _DenseLoad(self, b, g, k0, parts, per_partition) if self.resident else self
 
     def prepare(self):
         """Nothing to compute ahead: the chunks' addresses are static."""
 
     def issue_loads(self, sources):
-        """Nothing up front: each chunk loads its keys in its load stage."""
+        """Resident: every K load, then every V load (a chunk's keys' work needs only its K)."""
+        if self.resident:
+            _issue_resident_loads(sources, 1)
 
     def take(self, chunk):
         """Per key block t: K [parts, D] and [V | 1] [parts, D + 1] of the chunk's keys."""
@@ -330,6 +356,56 @@ class _DenseCache(nl.NKIObject):
         nisa.memset(dst=values[:, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
         nisa.dma_copy(dst=values[:, :, 0:d], src=self.v[group.b, group.g, span, :].reshape((parts, t, d)))
         return [keys[:, j, :] for j in range(t)], [values[:, j, :] for j in range(t)]
+
+
+class _DenseLoad(nl.NKIObject):
+    """One KV head's keys ``k0 + p*T + t`` of a contiguous cache in buffers of their own (a resident
+    load): K, and V beside a ones column set when the buffer is made."""
+
+    def __init__(self, cache, b, g, k0, parts, per_partition):
+        self.cache, self.b, self.g, self.k0, self.parts, self.t = cache, b, g, k0, parts, per_partition
+        d = cache.k.shape[3]
+        self.keys = nl.ndarray((parts, per_partition, d), cache.k.dtype, buffer=nl.sbuf)
+        self.values = nl.ndarray((parts, per_partition, d + 1), cache.v.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=self.values[:, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
+        self.loaded = False
+        self.value_pieces = None
+
+    def prepare(self):
+        """Nothing to compute ahead: the addresses are static."""
+
+    def _span(self, tensor):
+        span = slice(self.k0, self.k0 + self.parts * self.t)
+        return tensor[self.b, self.g, span, :].reshape((self.parts, self.t, tensor.shape[3]))
+
+    def load_keys(self):
+        nisa.dma_copy(dst=self.keys, src=self._span(self.cache.k))
+
+    def load_values(self, pieces=1):
+        d = self.cache.v.shape[3]
+        self.value_pieces = list(tiles(self.t, ceil_div(self.t, pieces)))
+        source = self._span(self.cache.v)
+        for j0, jc in self.value_pieces:
+            nisa.dma_copy(dst=self.values[:, j0 : j0 + jc, 0:d], src=source[:, j0 : j0 + jc, :])
+
+    def take(self, chunk):
+        keys, values = self.keys, self.values
+        self.keys = self.values = None
+        return [keys[:, j, :] for j in range(self.t)], [values[:, j, :] for j in range(self.t)]
+
+
+def _issue_resident_loads(sources, value_pieces):
+    """Every K load, then every V load in ``value_pieces`` transfers each, each load once though
+    several chunks may name it."""
+    loads = []
+    for source in sources:
+        if not source.loaded:
+            source.loaded = True
+            loads.append(source)
+    for source in loads:
+        source.load_keys()
+    for source in loads:
+        source.load_values(value_pieces)
 
 
 class _PagedBlocks(nl.NKIObject):
@@ -476,8 +552,8 @@ class _PagedCache(nl.NKIObject):
         V lands in a ring of buffers (``value_buffers``) whose ones columns are set once, here (a
         memset per load would wait for GpSimd's queue), and each load starts the next, a chunk ahead."""
         d, item = self.k.shape[2], itemsize(self.k.dtype)
-        per_key = kv_heads * ((2 * d + 1) * item + rows * item)  # K, [V | 1] and P^T, per partition
-        self.resident = sum(t for _, _, t in planned) * per_key <= nl.tile_size.sbuf_fmax_bytes - PAGED_SBUF_RESERVE
+        key_rows = sum(t for _, _, t in planned)
+        self.resident = fits_resident(key_rows, kv_heads, d, item, rows, nl.tile_size.sbuf_fmax_bytes)
         if self.resident:
             return
         for _ in range(value_buffers(kv_heads)):
@@ -501,17 +577,8 @@ class _PagedCache(nl.NKIObject):
 
     def issue_loads(self, sources):
         """Resident: every K gather, then every V gather (a chunk's keys' work needs only its K)."""
-        if not self.resident:
-            return
-        loads = []
-        for source in sources:  # each load once, though every KV head's chunk names it
-            if not source.loaded:
-                source.loaded = True
-                loads.append(source)
-        for source in loads:
-            source.load_keys()
-        for source in loads:
-            source.load_values(RESIDENT_VALUE_PIECES)
+        if self.resident:
+            _issue_resident_loads(sources, RESIDENT_VALUE_PIECES)
 
     def order_gather(self, gather):
         """Keep the gathers' transfers in issue order, two in flight (one's fixed latency passes while
@@ -551,12 +618,12 @@ class _Chunk(nl.NKIObject):
         """K^T [D, T * parts] (block t at columns t*parts..): TensorE transposes, copied out by VectorE and ScalarE."""
         parts, t, d, dtype = self.parts, self.t, self.group.d, self.group.dtype
         self.keys_t = nl.ndarray((d, t * parts), dtype, buffer=nl.sbuf)
-        for n, (t0, tc) in enumerate(tiles(t, TRANSPOSE_GROUP)):
+        for t0, tc in tiles(t, TRANSPOSE_GROUP):
             flipped = nl.ndarray((d, tc * parts), dtype, buffer=nl.psum)
             for j in range(tc):
                 nisa.nc_transpose(dst=flipped[:, j * parts : (j + 1) * parts], data=self.keys[t0 + j])
             columns = self.keys_t[:, t0 * parts : (t0 + tc) * parts]
-            if (self.k0 // P + n) % 2:
+            if self.constants.next_key_copy_on_scalar(self.group.rows):
                 nisa.activation(dst=columns, op=nl.copy, data=flipped)
             else:
                 nisa.tensor_copy(dst=columns, src=flipped)
@@ -740,7 +807,14 @@ _LEAD = max(lead for _, lead in _STAGES)
 # of the max's chain (VectorE, GpSimd, then TensorE's broadcast) that the stages above leave it. The
 # same spacing in _STAGES (load 5 ... multiply_values 0) measured mixed: the Mistral-7B 4-query layer
 # 61.3 -> 54.8 us, the contiguous batch 8 377.2 -> 378.6 us and the paged batch 8 411.4 -> 425.2 us.
-_RESIDENT_STAGES = (("load", 4), ("transpose_keys", 3), ("scores", 2), ("max_scores", 1), ("softmax", 0))
+# Within a tick the softmax and the max come first: their inputs are ready from earlier ticks, whereas
+# the K^T copies wait for this tick's transposes. In the opposite order (load, transposes, scores, max,
+# softmax) VectorE and ScalarE waited each tick for TensorE's transposes and TensorE for the copies, and
+# ScalarE's exp behind its copies held up the next tick's rank-1 updates: the Mistral-7B 16-query
+# layer (64 rows) modelled 75.2 us against 59.8 us in this order. With fewer rows the order moves the
+# figures by at most 0.2 us (decode-1-of-4096 10.1 -> 10.3 us; the 4- and 16-query single groups
+# 10.7 -> 10.5 and 11.4 -> 11.2 us; the layers and the paged cache unchanged).
+_RESIDENT_STAGES = (("load", 4), ("softmax", 0), ("max_scores", 1), ("transpose_keys", 3), ("scores", 2))
 
 
 @nki.jit
@@ -835,9 +909,9 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
             edges |= {min(max(lowest, sq - 1 + offset - window + 1), end)} if window else set()
             edges |= {min(max(lowest, offset + 1), end)} if causal else set()
         edges = sorted(edges)
-        plans.append(
-            (offset, [chunk for lo, hi in zip(edges, edges[1:]) for chunk in sources.plan(lo, hi, per_partition)])
-        )
+        planned = [chunk for lo, hi in zip(edges, edges[1:]) for chunk in sources.plan(lo, hi, per_partition)]
+        planned = _joined_single_rows(planned)
+        plans.append((offset, planned))
     sources.reserve([chunk for _, planned in plans for chunk in planned], kv_heads, rows)
     chunks = []
     previous = None  # the last shared load planned
@@ -846,14 +920,19 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
         if not planned:
             for group in groups:
                 group.finish(out, lse_out)
-        # A shared load serves every KV head's chunk of the same keys, so those run together;
+        # A shared load serves every KV head's chunk of the same keys, so those run together, and
+        # so do resident loads (their P V and merges then go step by step across the KV heads);
         # otherwise each KV head's chunks run in a row (which pipelines its loads best).
         order = (
             [(n, g) for n in range(len(planned)) for g in range(kv_heads)]
-            if sources.shares_loads
+            if sources.shares_loads or sources.resident
             else [(n, g) for g in range(kv_heads) for n in range(len(planned))]
         )
-        shared = [sources.chunk_source(b, k0, parts, t, kv_heads, constants) for k0, parts, t in planned]
+        shared = (
+            [sources.chunk_source(b, k0, parts, t, kv_heads, constants) for k0, parts, t in planned]
+            if sources.shares_loads
+            else []
+        )
         if sources.shares_loads:  # each shared load starts the next one's, a whole chunk ahead
             for source in shared:
                 if previous is not None:
@@ -870,7 +949,7 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
                 offset if causal and last_key > offset else None,
                 offset - window + 1 if window and k0 < sq - 1 + offset - window + 1 else None,
                 constants,
-                shared[n],
+                shared[n] if sources.shares_loads else sources.head_source(b, g, k0, parts, t),
             )
             chunk.last = n == len(planned) - 1
             if n == 0 and (g == 0 or not sources.shares_loads):  # with shared loads, one chunk loads every group's
@@ -889,7 +968,7 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
     # A software pipeline over the chunks: at each tick every stage works on a different chunk,
     # LEAD chunks apart, so loads run ahead of the transposes and those ahead of the softmax. With
     # resident loads the values' stage runs after it, every chunk's keys' work done.
-    loads = _by_load(chunks) if sources.resident else []
+    waves = _waves(chunks, kv_heads) if sources.resident else []
     stages = _RESIDENT_STAGES if sources.resident else _STAGES
     for n in range(-max(lead for _, lead in stages), len(chunks)):
         for stage, lead in stages:
@@ -897,10 +976,11 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
                 getattr(chunks[n + lead], stage)()
         if n >= 0 and chunks[n].last and not sources.resident:
             chunks[n].group.finish(out, lse_out)
-    # Resident: P V load by load in the order the values land, each V gather's key blocks for every
-    # KV head before the next gather's, so that after the last lands only its blocks remain.
-    for source, sharing in loads:
-        for first, count in source.value_pieces:
+    # Resident: P V wave by wave (every KV head's chunk of the same keys) in the order the values
+    # land, each V piece's key blocks for every KV head before the next piece's, so that after the
+    # last lands only its blocks remain.
+    for pieces, sharing in waves:
+        for first, count in pieces:
             for chunk in sharing:
                 chunk.multiply_blocks(first, first + count)
         # each step for every KV head before the next step: a head's steps wait on each other
@@ -913,12 +993,24 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
                 chunk.group.finish(out, lse_out)
 
 
-def _by_load(chunks):
-    """(shared load, the chunks that take it) in chunk order: a load's KV heads' chunks are consecutive."""
-    loads = []
-    for chunk in chunks:
-        if loads and loads[-1][0] is chunk.source:
-            loads[-1][1].append(chunk)
+def _joined_single_rows(planned):
+    """The plan with adjacent chunks of one key per partition joined while they fit on the partitions
+    (a segment's few leftover keys and the masked keys after it cost one chunk, not two)."""
+    joined = []
+    for k0, parts, t in planned:
+        if joined and t == 1 and joined[-1][2] == 1 and joined[-1][1] + parts <= P:
+            joined[-1] = (joined[-1][0], joined[-1][1] + parts, 1)
         else:
-            loads.append((chunk.source, [chunk]))
-    return loads
+            joined.append((k0, parts, t))
+    return joined
+
+
+def _waves(chunks, kv_heads):
+    """(value pieces, chunks) per run of ``kv_heads`` chunks: with resident loads every KV head's chunk
+    of the same keys runs consecutively, and their loads (one shared, or one each) land in the same
+    pieces."""
+    waves = []
+    for first in range(0, len(chunks), kv_heads):
+        wave = chunks[first : first + kv_heads]
+        waves.append((wave[0].source.value_pieces, wave))
+    return waves
