@@ -441,6 +441,12 @@ class _PagedBlocks(nl.NKIObject):
         size = cache.block_size
         gpsimd = nisa.engine.gpsimd
         first, last = k0 // size, (k0 + parts * t - 1) // size
+        if t == size:  # partition p's keys are block first + p, whole: its slot is the block's first
+            entries = nl.ndarray((parts, 1), nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=entries, src=cache.block_table[self.b, first : last + 1].reshape((parts, 1)))
+            index = nl.ndarray((parts, 1), nl.int32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=index, data=entries, op0=nl.multiply, operand0=float(size), engine=gpsimd)
+            return index
         blocks = last - first + 1
         table = nl.ndarray((1, blocks), nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=table, src=cache.block_table[self.b, first : last + 1].reshape((1, blocks)))

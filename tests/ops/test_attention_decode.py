@@ -450,11 +450,35 @@ def test_a_paged_cache_too_big_for_sbuf_streams_through_a_ring_of_value_buffers(
     assert _two_in_flight(gathers)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="goal not met since the contiguous cache's loads became resident (53.0 -> 50.8 us): the paged "
-    "cache, unchanged at 56.5 us, is 11.2% behind (open work; remove this mark when it passes)",
-)
+def test_partitions_that_hold_whole_blocks_take_their_slots_straight_from_the_block_table():
+    # blocks of 8, 8 keys per partition: each partition's keys are one block, so its slot is the
+    # table's entry times 8, with no broadcast of the entries and no selection of the right one
+    out, expected, gathers, _ = _paged_run(1, 8, 2, 64, 8, [2048], 1, causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert [i.operands[0].shape[1] for i in gathers[:2]] == [8, 8]
+    k_cache, v_cache, table, _, _ = _paged(1, 2, 64, 8, [2048])
+    q = _inputs(1, 8, 2, 1, 1, 64, seed=12)[0]
+    result = sim.run(
+        DECODE.flash_decode_paged_fwd,
+        q,
+        k_cache.view(-1, 2, 64),
+        v_cache.view(-1, 2, 64),
+        table,
+        8,
+        (2048,),
+        0.125,
+        True,
+        0,
+        0.0,
+        numerics=False,
+    )
+    first_gather = next(
+        i.index for i in result.trace.instructions if i.op == "dma_copy" and len(i.operands[0].shape) == 4
+    )
+    before = {i.op for i in result.trace.instructions[:first_gather]}
+    assert not before & {"affine_select", "iota", "nc_matmul", "tensor_reduce"}, before
+
+
 def test_a_batch_1_paged_cache_is_modelled_within_10_percent_of_the_contiguous_one():
     """Qwen3-8B's layer at batch 1 (32 query heads over 8 KV heads, 4096 cached keys, d = 128, bf16):
     the paged cache's loads hold every KV head, and the first must land before any head starts."""
