@@ -433,12 +433,22 @@ def _two_in_flight(gathers):
 def test_a_paged_cache_that_fits_in_sbuf_gathers_every_key_before_any_value(block_size, lengths, heads, sq, kwargs):
     out, expected, gathers, marks = _paged_run(len(lengths), heads, 2, 64, block_size, lengths, sq, **kwargs)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    loads = marks.count("K")
-    assert loads >= 3 and marks == "K" * loads + "V" * (len(marks) - loads)
-    # V in pieces of consecutive key blocks, so that P V starts on the first to land
-    blocks = [i.operands[0].shape[1] for i, mark in zip(gathers, marks) if mark == "K"]
-    assert marks.count("V") == sum(min(DECODE.RESIDENT_VALUE_PIECES, t) for t in blocks)
+    keys = marks.count("K")
+    assert marks == "K" * keys + "V" * (len(marks) - keys)
+    # K and V in pieces of consecutive key blocks, so that the transposes and P V start on the first
+    # to land: per load (the tile its gathers write), the blocks of each piece
+    key_pieces, value_pieces = (_pieces_per_load([i for i, m in zip(gathers, marks) if m == kind]) for kind in "KV")
+    assert len(key_pieces) >= 3 and value_pieces == key_pieces
+    assert all(len(pieces) == min(DECODE.RESIDENT_LOAD_PIECES, sum(pieces)) for pieces in key_pieces), key_pieces
     assert _two_in_flight(gathers)
+
+
+def _pieces_per_load(gathers):
+    """The key blocks each gather brings, grouped by the tile it lands in (in issue order)."""
+    loads = {}
+    for gather in gathers:
+        loads.setdefault(gather.writes[0].buffer_id, []).append(gather.operands[0].shape[1])
+    return list(loads.values())
 
 
 def test_a_paged_cache_too_big_for_sbuf_streams_through_a_ring_of_value_buffers():
@@ -453,9 +463,9 @@ def test_a_paged_cache_too_big_for_sbuf_streams_through_a_ring_of_value_buffers(
 def test_partitions_that_hold_whole_blocks_take_their_slots_straight_from_the_block_table():
     # blocks of 8, 8 keys per partition: each partition's keys are one block, so its slot is the
     # table's entry times 8, with no broadcast of the entries and no selection of the right one
-    out, expected, gathers, _ = _paged_run(1, 8, 2, 64, 8, [2048], 1, causal=True)
+    out, expected, gathers, marks = _paged_run(1, 8, 2, 64, 8, [2048], 1, causal=True)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert [i.operands[0].shape[1] for i in gathers[:2]] == [8, 8]
+    assert [sum(pieces) for pieces in _pieces_per_load([i for i, m in zip(gathers, marks) if m == "K"])] == [8, 8]
     k_cache, v_cache, table, _, _ = _paged(1, 2, 64, 8, [2048])
     q = _inputs(1, 8, 2, 1, 1, 64, seed=12)[0]
     result = sim.run(
@@ -477,6 +487,21 @@ def test_partitions_that_hold_whole_blocks_take_their_slots_straight_from_the_bl
     )
     before = {i.op for i in result.trace.instructions[:first_gather]}
     assert not before & {"affine_select", "iota", "nc_matmul", "tensor_reduce"}, before
+
+
+def test_a_chunk_merges_into_the_running_state_straight_from_its_p_v_accumulator():
+    # the running state's rescale needs only the weights, so after P V one instruction per chunk
+    # remains: it reads the PSUM accumulator and writes the running state (no temporary between)
+    q, k, v = _inputs(1, 8, 2, 1, 3000, 64, seed=13)
+    trace = sim.run(DECODE.flash_decode_fwd, q, k, v, 0.125, True, 0, 0.0, numerics=False).trace
+    accumulators = {
+        i.writes[0].buffer_id for i in trace.instructions if i.op == "nc_matmul" and i.operands[0].shape == (4, 65)
+    }
+    readers = [
+        i for i in trace.instructions if any(r.buffer_id in accumulators for r in i.reads) and i.op != "nc_matmul"
+    ]
+    assert len(readers) > 2 * 2  # more than one chunk per KV head
+    assert len({i.writes[0].buffer_id for i in readers}) == 2  # one running state per KV head
 
 
 def test_a_batch_1_paged_cache_is_modelled_within_10_percent_of_the_contiguous_one():
