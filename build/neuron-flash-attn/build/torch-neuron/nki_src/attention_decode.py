@@ -64,9 +64,12 @@ CHUNK_BYTES = 4 * 1024  # K bytes per partition per chunk: a DMA saturates from 
 # SBUF peak (each tile counted from its first use to its last, on the partitions it takes) is 206,808
 # of Trn2's 229,376 bytes per partition.
 PAGED_KEY_LOADS = 3
-# A resident paged load's V arrives in this many gathers, so that P V starts on the first to land (a
-# contiguous cache's V loads whole: one KV head's run of T keys per partition is only 4 KiB).
-RESIDENT_VALUE_PIECES = 2
+# A resident paged load's K and V each arrive in this many gathers of consecutive key blocks (every
+# KV head's), so that the transposes and P V start on the first to land (a contiguous cache's loads
+# come whole: one KV head's run of T keys per partition is only 4 KiB). Modelled, Qwen3-8B batch 1,
+# blocks of 16 (T = 16, every KV head's 2 KiB per key): K whole and V in 2 gathers 54.6 us, both in
+# 4 (8 KiB runs) 53.5 us; K in 8 and V in 4 53.4 us, both in 8 53.6 us, V in 8 and K in 4 53.7 us.
+RESIDENT_LOAD_PIECES = 4
 MAX_PAGED_SLOTS = 2**24  # the block table becomes slot indices in fp32 arithmetic, exact to 2**24
 SBUF_RESERVE = 24 * 1024
 TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied out by one instruction
@@ -257,10 +260,13 @@ class _Group(nl.NKIObject):
             nisa.tensor_copy(dst=self.acc, src=pv)
             return
         old_weight, chunk_weight = self.weights
-        weighted = nl.ndarray((self.rows, self.d + 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=weighted, data=pv, op0=nl.multiply, operand0=chunk_weight)
+        # The running state's rescale needs only the weights, so GpSimd does it ahead; after P V only
+        # one VectorE instruction remains per KV head (the last merges of a layer's eight KV heads ran
+        # one after another on VectorE, at two instructions each).
+        gpsimd = nisa.engine.gpsimd
+        nisa.tensor_scalar(dst=self.acc, data=self.acc, op0=nl.multiply, operand0=old_weight, engine=gpsimd)
         nisa.scalar_tensor_tensor(
-            dst=self.acc, data=self.acc, op0=nl.multiply, operand0=old_weight, op1=nl.add, operand1=weighted
+            dst=self.acc, data=pv, op0=nl.multiply, operand0=chunk_weight, op1=nl.add, operand1=self.acc
         )
         self.weights = None
 
@@ -378,8 +384,10 @@ class _DenseLoad(nl.NKIObject):
         span = slice(self.k0, self.k0 + self.parts * self.t)
         return tensor[self.b, self.g, span, :].reshape((self.parts, self.t, tensor.shape[3]))
 
-    def load_keys(self):
-        nisa.dma_copy(dst=self.keys, src=self._span(self.cache.k))
+    def load_keys(self, pieces=1):
+        source = self._span(self.cache.k)
+        for j0, jc in tiles(self.t, ceil_div(self.t, pieces)):
+            nisa.dma_copy(dst=self.keys[:, j0 : j0 + jc, :], src=source[:, j0 : j0 + jc, :])
 
     def load_values(self, pieces=1):
         d = self.cache.v.shape[3]
@@ -394,18 +402,18 @@ class _DenseLoad(nl.NKIObject):
         return [keys[:, j, :] for j in range(self.t)], [values[:, j, :] for j in range(self.t)]
 
 
-def _issue_resident_loads(sources, value_pieces):
-    """Every K load, then every V load in ``value_pieces`` transfers each, each load once though
-    several chunks may name it."""
+def _issue_resident_loads(sources, pieces):
+    """Every K load, then every V load, each in ``pieces`` transfers of consecutive key blocks, each
+    load once though several chunks may name it."""
     loads = []
     for source in sources:
         if not source.loaded:
             source.loaded = True
             loads.append(source)
     for source in loads:
-        source.load_keys()
+        source.load_keys(pieces)
     for source in loads:
-        source.load_values(value_pieces)
+        source.load_values(pieces)
 
 
 class _PagedBlocks(nl.NKIObject):
@@ -413,12 +421,14 @@ class _PagedBlocks(nl.NKIObject):
     the first KV head's chunk and shared by the others (a slot holds all KV heads, so reading them
     together keeps each partition's run contiguous: T slots x Hkv x D elements).
 
-    The physical slot of partition p's first key comes from the block table on chip: the table's
-    entries for the chunk's blocks, as ``(block - logical block) * block_size`` shifts, are broadcast to
-    every partition by a ones-row matmul; two ``affine_select``s keep, per partition, only the entry of
-    the block its keys fall in; a row sum picks it, plus the key index (``iota``). One gather DMA
-    (``vector_offset``) per K and per V then reads T whole slots per partition, issued up front
-    (``_PagedCache.issue_loads``) or by the first chunk to take them."""
+    The physical slot of partition p's first key comes from the block table on chip. When each
+    partition holds one whole block (T = block_size), the table's entries land one per partition and a
+    multiply by block_size makes them slots. Otherwise the entries for the chunk's blocks, as
+    ``(block - logical block) * block_size`` shifts, are broadcast to every partition by a ones-row
+    matmul; two ``affine_select``s keep, per partition, only the entry of the block its keys fall in;
+    a row sum picks it, plus the key index (``iota``). Gather DMAs (``vector_offset``) then read T
+    whole slots per partition, one for K and one for V, or, issued up front for resident loads
+    (``_PagedCache.issue_loads``), a few each; otherwise the first chunk to take them issues them."""
 
     def __init__(self, cache, b, k0, parts, per_partition, kv_heads, constants):
         self.cache, self.b, self.k0, self.parts, self.t = cache, b, k0, parts, per_partition
@@ -441,6 +451,12 @@ class _PagedBlocks(nl.NKIObject):
         size = cache.block_size
         gpsimd = nisa.engine.gpsimd
         first, last = k0 // size, (k0 + parts * t - 1) // size
+        if t == size:  # partition p's keys are block first + p, whole: its slot is the block's first
+            entries = nl.ndarray((parts, 1), nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=entries, src=cache.block_table[self.b, first : last + 1].reshape((parts, 1)))
+            index = nl.ndarray((parts, 1), nl.int32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=index, data=entries, op0=nl.multiply, operand0=float(size), engine=gpsimd)
+            return index
         blocks = last - first + 1
         table = nl.ndarray((1, blocks), nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=table, src=cache.block_table[self.b, first : last + 1].reshape((1, blocks)))
@@ -483,14 +499,18 @@ class _PagedBlocks(nl.NKIObject):
         nisa.tensor_copy(dst=index, src=slot, engine=gpsimd)
         return index
 
-    def load_keys(self):
-        """Gather K: T whole slots (every KV head) per partition."""
+    def load_keys(self, pieces=1):
+        """Gather K: T whole slots (every KV head) per partition, in ``pieces`` gathers of consecutive
+        key blocks, so the transposes may start on the first to land."""
         cache, parts, t = self.cache, self.parts, self.t
         kv_heads, d = cache.k.shape[1], cache.k.shape[2]
         row = kv_heads * d
         self.keys = nl.ndarray((parts, t, kv_heads, d), cache.k.dtype, buffer=nl.sbuf)
-        src = cache.k.ap(pattern=[[row, parts], [1, t * row]], offset=0, vector_offset=self.index, indirect_dim=0)
-        cache.order_gather(nisa.dma_copy(dst=self.keys, src=src))
+        for j0, jc in tiles(t, ceil_div(t, pieces)):
+            src = cache.k.ap(
+                pattern=[[row, parts], [1, jc * row]], offset=j0 * row, vector_offset=self.index, indirect_dim=0
+            )
+            cache.order_gather(nisa.dma_copy(dst=self.keys[:, j0 : j0 + jc, :, :], src=src))
 
     def load_values(self, pieces=1):
         """Gather V into its buffer, beside the ones columns set when the buffer was made: ``pieces``
@@ -547,7 +567,7 @@ class _PagedCache(nl.NKIObject):
 
         Resident, when every planned load and every chunk's probabilities fit in SBUF at once (a short
         batch): each load gets buffers of its own, every K gather is issued before every V gather
-        (``issue_loads``), V in RESIDENT_VALUE_PIECES gathers, and ``_attend`` runs every chunk's keys'
+        (``issue_loads``), each in RESIDENT_LOAD_PIECES gathers, and ``_attend`` runs every chunk's keys'
         work (transposes, scores, softmax) while the values stream in, then P V load by load. Otherwise
         V lands in a ring of buffers (``value_buffers``) whose ones columns are set once, here (a
         memset per load would wait for GpSimd's queue), and each load starts the next, a chunk ahead."""
@@ -578,7 +598,7 @@ class _PagedCache(nl.NKIObject):
     def issue_loads(self, sources):
         """Resident: every K gather, then every V gather (a chunk's keys' work needs only its K)."""
         if self.resident:
-            _issue_resident_loads(sources, RESIDENT_VALUE_PIECES)
+            _issue_resident_loads(sources, RESIDENT_LOAD_PIECES)
 
     def order_gather(self, gather):
         """Keep the gathers' transfers in issue order, two in flight (one's fixed latency passes while
@@ -867,10 +887,11 @@ def flash_decode_paged_fwd(q, k_slots, v_slots, block_table, block_size, lengths
         partition's keys lie in one block (``paged_keys_per_partition``), and each chunk's K and V
         gathered once for all KV heads (``_PagedBlocks``): T x Hkv x D contiguous elements per
         partition, two gathers in flight, in issue order. When every load fits in SBUF at once
-        (``_PagedCache.reserve``), every K gather goes before every V gather and every chunk's keys'
-        work (``_RESIDENT_STAGES``) runs while the values land; then P V, load by load, each V
-        gather's key blocks for every KV head before the next's, and the merges step by step across
-        the KV heads, so that little follows the last value. Otherwise the next chunk's gathers are
+        (``_PagedCache.reserve``), every K gather goes before every V gather, each load's K and V in
+        pieces of consecutive key blocks, and every chunk's keys' work (``_RESIDENT_STAGES``) runs
+        while the values land; then P V, load by load, each V gather's key blocks for every KV head
+        before the next's, and the merges step by step across the KV heads, so that little follows
+        the last value. Otherwise the next chunk's gathers are
         issued when a chunk's are first used and V lands in a ring of buffers whose ones columns are
         set once.
     """
