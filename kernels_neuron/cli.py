@@ -103,6 +103,13 @@ def _example_module(name: str):
     return module
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _bench(args: argparse.Namespace) -> int:
     """Simulate and model every suite case; print the table, optionally write JSON and a plot."""
     from kernels_neuron import bench
@@ -118,8 +125,11 @@ def _bench(args: argparse.Namespace) -> int:
             check_numerics=args.check_numerics,
             jobs=args.jobs or bench.default_jobs(),
         )
-    except ValueError as exc:
+    except bench.NoMatchingCase as exc:
         console.print(f"[red]{exc}[/]; cases: " + ", ".join(c.name for c in cases))
+        return 2
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
         return 2
     except bench.TraceMismatch as exc:
         console.print(f"[red]--check-numerics: a full simulation left a different trace: {exc}[/]")
@@ -285,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench_cmd.add_argument(
         "--jobs",
-        type=int,
+        type=_positive_int,
         default=0,
         help="cases simulated at once, in worker processes (default: one per usable CPU, at most 8; one "
         "where a Trainium device is timed)",

@@ -6,6 +6,7 @@ instruction, as a full simulation, and so the same modelled figures."""
 import dataclasses
 import json
 import pickle
+from functools import partial
 
 import numpy as np
 import pytest
@@ -66,10 +67,20 @@ def test_kernels_pickle_by_reference_for_worker_processes():
         pickle.dumps(local_kernel)
 
 
-def test_parallel_suite_runs_give_the_serial_records_in_order():
+def test_parallel_suite_runs_give_the_serial_records_in_order(monkeypatch):
+    from kernels_neuron.bench import runner
+
+    monkeypatch.setattr(runner, "device_available", lambda: False)  # else it would run them one at a time
     cases = [_small("rmsnorm-fwd/llama"), _small("attention-fwd/causal"), _small("mlp-fwd/silu")]
     serial = bench.run_suite(cases, progress=False)
     parallel = bench.run_suite(cases, progress=False, jobs=2)
+    failing = dataclasses.replace(
+        cases[0], name="rmsnorm-fwd/no-rows", make_inputs=partial(cases[0].make_inputs.func, -1, 96, False)
+    )
+    for jobs in (1, 2):
+        with pytest.raises(ValueError, match="negative dimensions") as failure:
+            bench.run_suite([cases[1], failing], progress=False, jobs=jobs)
+        assert "while running bench case 'rmsnorm-fwd/no-rows'" in failure.value.__notes__
 
     def modelled(records):
         return [{k: v for k, v in r.as_dict().items() if k != "sim_wall_s"} for r in records]
@@ -123,6 +134,13 @@ def test_run_case_is_trace_only_unless_asked_to_check_numerics(monkeypatch):
     monkeypatch.setattr(sim, "run", drifting)
     with pytest.raises(bench.TraceMismatch, match="mlp-fwd/silu: instruction count"):
         bench.run_case(case, check_numerics=True)
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1"])
+def test_cli_refuses_fewer_than_one_job(jobs, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "--filter", "decode128", "--jobs", jobs])
+    assert refused.value.code == 2 and "--jobs: must be at least 1" in capsys.readouterr().err
 
 
 def test_cli_says_which_simulation_ran(tmp_path, capsys):

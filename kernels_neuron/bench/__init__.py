@@ -13,6 +13,7 @@ from __future__ import annotations
 from .case import Case, Record
 from .output import plot_roofline, render_table, write_json
 from .runner import (
+    NoMatchingCase,
     TraceMismatch,
     default_jobs,
     device_available,
@@ -33,6 +34,7 @@ __all__ = [
     "torch_inputs",
     "trace_difference",
     "TraceMismatch",
+    "NoMatchingCase",
     "default_jobs",
     "render_table",
     "write_json",

@@ -12,7 +12,7 @@ import multiprocessing
 import os
 import pickle
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import partial
 from typing import Any
@@ -184,7 +184,7 @@ def run_suite(
     Where a device is present the cases run one at a time, so that no timing shares the host."""
     chosen = [c for c in cases if name_filter is None or name_filter.lower() in c.name.lower()]
     if not chosen:
-        raise ValueError(f"no benchmark case matches filter {name_filter!r}")
+        raise NoMatchingCase(f"no benchmark case matches filter {name_filter!r}")
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
     run = partial(run_case, target=target, check_numerics=check_numerics)
@@ -196,7 +196,8 @@ def run_suite(
             for case in chosen:
                 if advance is not None:
                     advance(case.name, done=False)
-                records.append(run(case))
+                with _naming(case):
+                    records.append(run(case))
                 if advance is not None:
                     advance(case.name, done=True)
             return records
@@ -217,10 +218,29 @@ def run_suite(
         by_index: dict[int, Record] = {}
         for future in as_completed(futures):
             index = futures[future]
-            by_index[index] = future.result()
+            try:
+                with _naming(chosen[index]):
+                    by_index[index] = future.result()
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)  # the queued cases would run to no purpose
+                raise
             if advance is not None:
                 advance(chosen[index].name, done=True)
         return [by_index[i] for i in range(len(chosen))]
+
+
+class NoMatchingCase(ValueError):
+    """``run_suite``'s name filter matched no case."""
+
+
+@contextlib.contextmanager
+def _naming(case: Case) -> Iterator[None]:
+    """An exception raised for ``case`` says which case it came from (the progress bar is gone by then)."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(f"while running bench case {case.name!r}")
+        raise
 
 
 def _progress_bar(stack: contextlib.ExitStack, total: int) -> Callable[..., None]:
