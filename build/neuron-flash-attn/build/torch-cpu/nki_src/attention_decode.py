@@ -18,11 +18,12 @@ Dimensions
 
 Tiling plan
     Per (batch, KV head) the group's Q^T [D, n] stays in SBUF. The visible keys are cut into chunks of
-    ``rows x T`` keys, partition p holding the T consecutive keys ``k0 + p*T + t`` (one contiguous run of
+    up to ``128 x T`` keys, partition p holding the T consecutive keys ``k0 + p*T + t`` (one contiguous run of
     T*D elements per partition, so K and V load at full DMA efficiency; see ``keys_per_partition``).
     Per chunk:
       - K^T on TensorE, one 128-key block (the keys of one t) at a time, TRANSPOSE_GROUP blocks per
-        PSUM tile, copied to SBUF by VectorE and ScalarE in turn (GpSimd cannot read PSUM);
+        PSUM tile, copied to SBUF by VectorE and ScalarE in turn, two of three on ScalarE from
+        SHIFT_MIN_ROWS rows (GpSimd cannot read PSUM);
       - S^T [keys, n] = K Q^T per block into one PSUM bank (keys on partitions: K^T is the stationary
         operand, Q^T the moving one, n columns);
       - masked where the chunk crosses a causal or window edge (GpSimd ``affine_select`` on the key
@@ -36,8 +37,10 @@ Tiling plan
     Chunks run through a software pipeline (``_STAGES``) across every (batch, KV head), so one
     chunk's loads and transposes overlap an earlier chunk's softmax. Chunks that the window makes
     invisible are never read. When every load fits in SBUF at once (a short batch, ``fits_resident``)
-    each has buffers of its own, every K load goes before every V load, the keys' stages run alone
-    (``_RESIDENT_STAGES``) and P V follows, the KV heads' chunks of the same keys together.
+    each has buffers of its own, every K load goes before every V load (a paged load's K and V each in
+    RESIDENT_LOAD_PIECES gathers), the keys' stages run alone (``_RESIDENT_STAGES``) and P V follows,
+    the KV heads' chunks of the same keys together. Single keys a mask leaves on their own are joined
+    to the neighbouring chunk (``_joined_single_rows``).
 """
 
 import nki
@@ -59,10 +62,10 @@ SCORE_BANKS = 2  # PSUM banks one chunk's S^T may span (two chunks are in flight
 SHIFT_MIN_ROWS = 64
 CHUNK_BYTES = 4 * 1024  # K bytes per partition per chunk: a DMA saturates from 4 KiB per partition
 # A paged cache's chunks hold every KV head's keys, so they are large: up to PAGED_KEY_LOADS K tiles
-# are live (in use, prefetched, being freed) beside the ring of V buffers; SBUF_RESERVE is left
-# for the rest (K^T, probabilities, queries), there and beside resident loads (``fits_resident``). Measured: at T = 16, 8 KV heads, d = 128 the simulator's
-# SBUF peak (each tile counted from its first use to its last, on the partitions it takes) is 206,808
-# of Trn2's 229,376 bytes per partition.
+# are live (in use, prefetched, being freed) beside the ring of V buffers; SBUF_RESERVE is left for the
+# rest (K^T, probabilities, queries), there and beside resident loads (``fits_resident``). Measured on
+# the ring: at T = 16, 8 KV heads, d = 128 the simulator's SBUF peak (each tile counted from its first
+# use to its last, on the partitions it takes) is 206,808 of Trn2's 229,376 bytes per partition.
 PAGED_KEY_LOADS = 3
 # A resident paged load's K and V each arrive in this many gathers of consecutive key blocks (every
 # KV head's), so that the transposes and P V start on the first to land (a contiguous cache's loads
@@ -127,6 +130,26 @@ def fits_resident(key_rows, kv_heads, head_dim, element_bytes, rows, sbuf_bytes)
     P^T of ``rows`` query rows) fit in the SBUF partition (``sbuf_bytes``) less SBUF_RESERVE."""
     per_key = kv_heads * ((2 * head_dim + 1) * element_bytes + rows * element_bytes)
     return key_rows * per_key <= sbuf_bytes - SBUF_RESERVE
+
+
+def _planned_loads_fit(planned, k, kv_heads, rows):
+    """``fits_resident`` for the planned chunks ``(k0, partitions, T)`` of cache ``k`` (head dim last)."""
+    key_rows = sum(t for _, _, t in planned)
+    return fits_resident(key_rows, kv_heads, k.shape[-1], itemsize(k.dtype), rows, nl.tile_size.sbuf_fmax_bytes)
+
+
+def _values_with_ones(shape, dtype):
+    """An SBUF tile for V, ``shape[-1]`` = D + 1, whose last column GpSimd sets to ones: [P V | rowsum P]
+    then comes out of one matmul."""
+    values = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+    ones = (slice(None),) * (len(shape) - 1) + (slice(shape[-1] - 1, shape[-1]),)
+    nisa.memset(dst=values[ones], value=1.0, engine=nisa.engine.gpsimd)
+    return values
+
+
+def _pieces(blocks, pieces):
+    """(first block, blocks) of each of up to ``pieces`` gathers over ``blocks`` consecutive key blocks."""
+    return list(tiles(blocks, ceil_div(blocks, pieces)))
 
 
 def chunk_plan(first, end, per_partition):
@@ -227,11 +250,6 @@ class _Group(nl.NKIObject):
         nisa.nc_transpose(dst=flipped, data=q_rows)
         self.q_t = nl.ndarray((d, rows), self.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=self.q_t, src=flipped)
-
-    def merge(self, chunk_max, pv):
-        """Fold a chunk's max column and [P V | rowsum P] (PSUM) into the running state."""
-        self.weigh(chunk_max)
-        self.accumulate(pv)
 
     def weigh(self, chunk_max):
         """The new running max, and the weights of the running state and of the chunk (for ``accumulate``)."""
@@ -334,9 +352,7 @@ class _DenseCache(nl.NKIObject):
     def reserve(self, planned, kv_heads, rows):
         """Resident (as ``_PagedCache.reserve``) when every KV head's loads of every planned chunk and
         their probabilities fit in SBUF at once; otherwise each chunk loads its keys in its load stage."""
-        d, item = self.k.shape[3], itemsize(self.k.dtype)
-        key_rows = sum(t for _, _, t in planned)
-        self.resident = fits_resident(key_rows, kv_heads, d, item, rows, nl.tile_size.sbuf_fmax_bytes)
+        self.resident = _planned_loads_fit(planned, self.k, kv_heads, rows)
 
     def head_source(self, b, g, k0, parts, per_partition):
         """What one KV head's chunk loads from: buffers of its own when resident, else the cache itself."""
@@ -356,10 +372,9 @@ class _DenseCache(nl.NKIObject):
         span = slice(chunk.k0, chunk.k0 + parts * t)
         keys = nl.ndarray((parts, t, d), self.k.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=keys, src=self.k[group.b, group.g, span, :].reshape((parts, t, d)))
-        values = nl.ndarray((parts, t, d + 1), self.v.dtype, buffer=nl.sbuf)
         # The ones column first: GpSimd runs its queue in order, and a memset issued behind the load
         # would hold up everything GpSimd does for earlier chunks until the load lands.
-        nisa.memset(dst=values[:, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
+        values = _values_with_ones((parts, t, d + 1), self.v.dtype)
         nisa.dma_copy(dst=values[:, :, 0:d], src=self.v[group.b, group.g, span, :].reshape((parts, t, d)))
         return [keys[:, j, :] for j in range(t)], [values[:, j, :] for j in range(t)]
 
@@ -372,8 +387,7 @@ class _DenseLoad(nl.NKIObject):
         self.cache, self.b, self.g, self.k0, self.parts, self.t = cache, b, g, k0, parts, per_partition
         d = cache.k.shape[3]
         self.keys = nl.ndarray((parts, per_partition, d), cache.k.dtype, buffer=nl.sbuf)
-        self.values = nl.ndarray((parts, per_partition, d + 1), cache.v.dtype, buffer=nl.sbuf)
-        nisa.memset(dst=self.values[:, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
+        self.values = _values_with_ones((parts, per_partition, d + 1), cache.v.dtype)
         self.loaded = False
         self.value_pieces = None
 
@@ -386,12 +400,12 @@ class _DenseLoad(nl.NKIObject):
 
     def load_keys(self, pieces=1):
         source = self._span(self.cache.k)
-        for j0, jc in tiles(self.t, ceil_div(self.t, pieces)):
+        for j0, jc in _pieces(self.t, pieces):
             nisa.dma_copy(dst=self.keys[:, j0 : j0 + jc, :], src=source[:, j0 : j0 + jc, :])
 
     def load_values(self, pieces=1):
         d = self.cache.v.shape[3]
-        self.value_pieces = list(tiles(self.t, ceil_div(self.t, pieces)))
+        self.value_pieces = _pieces(self.t, pieces)
         source = self._span(self.cache.v)
         for j0, jc in self.value_pieces:
             nisa.dma_copy(dst=self.values[:, j0 : j0 + jc, 0:d], src=source[:, j0 : j0 + jc, :])
@@ -506,7 +520,7 @@ class _PagedBlocks(nl.NKIObject):
         kv_heads, d = cache.k.shape[1], cache.k.shape[2]
         row = kv_heads * d
         self.keys = nl.ndarray((parts, t, kv_heads, d), cache.k.dtype, buffer=nl.sbuf)
-        for j0, jc in tiles(t, ceil_div(t, pieces)):
+        for j0, jc in _pieces(t, pieces):
             src = cache.k.ap(
                 pattern=[[row, parts], [1, jc * row]], offset=j0 * row, vector_offset=self.index, indirect_dim=0
             )
@@ -519,7 +533,7 @@ class _PagedBlocks(nl.NKIObject):
         kv_heads, d = cache.k.shape[1], cache.k.shape[2]
         row = kv_heads * d
         self.values = self.value_buffer[0:parts, 0:t, :, :]
-        self.value_pieces = list(tiles(t, ceil_div(t, pieces)))
+        self.value_pieces = _pieces(t, pieces)
         for j0, jc in self.value_pieces:
             src = cache.v.ap(
                 pattern=[[row, parts], [d, jc * kv_heads], [1, d]],
@@ -571,15 +585,12 @@ class _PagedCache(nl.NKIObject):
         work (transposes, scores, softmax) while the values stream in, then P V load by load. Otherwise
         V lands in a ring of buffers (``value_buffers``) whose ones columns are set once, here (a
         memset per load would wait for GpSimd's queue), and each load starts the next, a chunk ahead."""
-        d, item = self.k.shape[2], itemsize(self.k.dtype)
-        key_rows = sum(t for _, _, t in planned)
-        self.resident = fits_resident(key_rows, kv_heads, d, item, rows, nl.tile_size.sbuf_fmax_bytes)
+        self.resident = _planned_loads_fit(planned, self.k, kv_heads, rows)
         if self.resident:
             return
+        d = self.k.shape[2]
         for _ in range(value_buffers(kv_heads)):
-            buffer = nl.ndarray((P, self.per_partition, kv_heads, d + 1), self.v.dtype, buffer=nl.sbuf)
-            nisa.memset(dst=buffer[:, :, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
-            self.value_ring.append(buffer)
+            self.value_ring.append(_values_with_ones((P, self.per_partition, kv_heads, d + 1), self.v.dtype))
 
     def plan(self, first, end, per_partition):
         return aligned_chunk_plan(first, end, per_partition)
@@ -588,8 +599,7 @@ class _PagedCache(nl.NKIObject):
         blocks = _PagedBlocks(self, b, k0, parts, per_partition, kv_heads, constants)
         if self.resident:
             d = self.k.shape[2]
-            blocks.value_buffer = nl.ndarray((parts, per_partition, kv_heads, d + 1), self.v.dtype, buffer=nl.sbuf)
-            nisa.memset(dst=blocks.value_buffer[:, :, :, d : d + 1], value=1.0, engine=nisa.engine.gpsimd)
+            blocks.value_buffer = _values_with_ones((parts, per_partition, kv_heads, d + 1), self.v.dtype)
         else:
             blocks.value_buffer = self.value_ring[self.loads % len(self.value_ring)]
         self.loads += 1
@@ -620,7 +630,7 @@ class _Chunk(nl.NKIObject):
         # lowest key (query i sees keys >= i + lowest), or None
         self.causal_cut, self.window_cut = causal_cut, window_cut
         self.constants = constants
-        self.source = source  # _DenseCache, or the _PagedBlocks this chunk's keys were gathered into
+        self.source = source  # _DenseCache (streaming), _DenseLoad (resident) or the _PagedBlocks it gathered into
         self.keys = self.values = self.keys_t = self.logits = self.probs = self.banks = self.pv = None
         self.row_max = None  # [1, rows] fp32, from max_scores to softmax
         self.last = False  # the group's last chunk
@@ -786,7 +796,8 @@ class _Chunk(nl.NKIObject):
     def multiply_values(self):
         """[P V | rowsum P] over the chunk's T blocks in one PSUM bank, merged into the group's state."""
         self.multiply_blocks(0, self.t)
-        self.merge_values()
+        self.weigh()
+        self.fold()
 
     def multiply_blocks(self, first, end):
         """Accumulate [P V | rowsum P] of key blocks first..end-1 (the first call makes the PSUM tile)."""
@@ -794,11 +805,6 @@ class _Chunk(nl.NKIObject):
             self.pv = nl.ndarray((self.group.rows, self.group.d + 1), nl.float32, buffer=nl.psum)
         for j in range(first, end):
             nisa.nc_matmul(dst=self.pv, stationary=self.probs[:, j, :], moving=self.values[j])
-
-    def merge_values(self):
-        """Fold the accumulated [P V | rowsum P] into the group's state."""
-        self.weigh()
-        self.fold()
 
     def weigh(self):
         """The group's new running max and the weights of its state and of this chunk."""
