@@ -27,12 +27,14 @@ class Case:
     """One kernel on one shape from a real model, beside the PyTorch computation it replaces.
 
     ``make_inputs(seed, values=True)`` returns the kernel's positional arguments (arrays as NumPy
-    arrays); ``kwargs`` are passed to the kernel unchanged. With ``values=False`` the floating-point
-    data are zeros of the same shapes and dtypes (allocated, never drawn or computed): a trace-only run
-    does not read them, and drawing a full-size model's weights takes longer than simulating the kernel.
-    What the trace depends on (a block table, an MoE routing) is the same either way. ``prepare_reference`` takes exactly the kernel's
-    arguments and keyword arguments, with the arrays as torch tensors, and returns the call a device
-    timing loop repeats: the PyTorch computation the kernel replaces, returning what the kernel
+    arrays); ``kwargs`` are passed to the kernel unchanged. With ``values=False`` the drawn data (and
+    what is computed from them) are zeros of the same shapes and dtypes, allocated, never drawn: the
+    kernels' traces do not depend on those values, and drawing a full-size model's weights takes longer
+    than simulating the kernel. What the trace depends on (a block table, an MoE routing) is the same
+    either way.
+
+    ``prepare_reference`` takes exactly the kernel's arguments and keyword arguments, with the arrays as
+    torch tensors, and returns the call a device timing loop repeats: the PyTorch computation the kernel replaces, returning what the kernel
     returns (the leading outputs, where the kernel also returns state saved for a backward). Work
     that is not part of that computation (a backward's forward graph) is done before it returns.
     """
