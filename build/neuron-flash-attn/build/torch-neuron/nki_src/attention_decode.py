@@ -311,9 +311,10 @@ class _Group(nl.NKIObject):
         self.q_t = self.acc = self.run_max = None
 
 
-class _Constants(nl.NKIObject):
-    """Matmul operands the chunks share: ones rows (in the probabilities' dtype and fp32) that broadcast
-    a row to every partition, and -1 / 1 that turn a row into a column."""
+class _Common(nl.NKIObject):
+    """What the chunks share: the matmul operands (ones rows, in the probabilities' dtype and fp32, that
+    broadcast a row to every partition, and -1 / 1 that turn a row into a column) and whose turn the
+    next K^T copy out of PSUM is."""
 
     def __init__(self, dtype):
         gpsimd = nisa.engine.gpsimd
@@ -444,9 +445,9 @@ class _PagedBlocks(nl.NKIObject):
     whole slots per partition, one for K and one for V, or, issued up front for resident loads
     (``_PagedCache.issue_loads``), a few each; otherwise the first chunk to take them issues them."""
 
-    def __init__(self, cache, b, k0, parts, per_partition, kv_heads, constants):
+    def __init__(self, cache, b, k0, parts, per_partition, kv_heads, common):
         self.cache, self.b, self.k0, self.parts, self.t = cache, b, k0, parts, per_partition
-        self.takers, self.constants = kv_heads, constants
+        self.takers, self.common = kv_heads, common
         self.keys = self.values = None
         self.loaded = False
         self.index = None  # [parts, 1] int32 physical slots (prepare)
@@ -482,7 +483,7 @@ class _PagedBlocks(nl.NKIObject):
             dst=shift, data=shift, op0=nl.multiply, operand0=float(size), op1=nl.subtract, operand1=logical
         )
         spread_psum = nl.ndarray((parts, blocks), nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=spread_psum, stationary=self.constants.ones_fp32[:, 0:parts], moving=shift)
+        nisa.nc_matmul(dst=spread_psum, stationary=self.common.ones_fp32[:, 0:parts], moving=shift)
         spread = nl.ndarray((parts, blocks), nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=spread, op=nl.copy, data=spread_psum)
         # keep block e of partition p where (first + e) * size <= k0 + p*T < (first + e + 1) * size
@@ -595,8 +596,8 @@ class _PagedCache(nl.NKIObject):
     def plan(self, first, end, per_partition):
         return aligned_chunk_plan(first, end, per_partition)
 
-    def chunk_source(self, b, k0, parts, per_partition, kv_heads, constants):
-        blocks = _PagedBlocks(self, b, k0, parts, per_partition, kv_heads, constants)
+    def chunk_source(self, b, k0, parts, per_partition, kv_heads, common):
+        blocks = _PagedBlocks(self, b, k0, parts, per_partition, kv_heads, common)
         if self.resident:
             d = self.k.shape[2]
             blocks.value_buffer = _values_with_ones((parts, per_partition, kv_heads, d + 1), self.v.dtype)
@@ -624,12 +625,12 @@ class _Chunk(nl.NKIObject):
     """Keys ``k0 + p*T + t`` (p < parts, t < T) of one group, on their way through the pipeline stages;
     each stage drops what no later stage reads."""
 
-    def __init__(self, group, k0, parts, per_partition, causal_cut, window_cut, constants, source):
+    def __init__(self, group, k0, parts, per_partition, causal_cut, window_cut, common, source):
         self.group, self.k0, self.parts, self.t = group, k0, parts, per_partition
         # the masks it crosses: the causal offset (query i sees keys <= i + offset) and the window's
         # lowest key (query i sees keys >= i + lowest), or None
         self.causal_cut, self.window_cut = causal_cut, window_cut
-        self.constants = constants
+        self.common = common
         self.source = source  # _DenseCache (streaming), _DenseLoad (resident) or the _PagedBlocks it gathered into
         self.keys = self.values = self.keys_t = self.logits = self.probs = self.banks = self.pv = None
         self.row_max = None  # [1, rows] fp32, from max_scores to softmax
@@ -653,7 +654,7 @@ class _Chunk(nl.NKIObject):
             for j in range(tc):
                 nisa.nc_transpose(dst=flipped[:, j * parts : (j + 1) * parts], data=self.keys[t0 + j])
             columns = self.keys_t[:, t0 * parts : (t0 + tc) * parts]
-            if self.constants.next_key_copy_on_scalar(self.group.rows):
+            if self.common.next_key_copy_on_scalar(self.group.rows):
                 nisa.activation(dst=columns, op=nl.copy, data=flipped)
             else:
                 nisa.tensor_copy(dst=columns, src=flipped)
@@ -771,17 +772,17 @@ class _Chunk(nl.NKIObject):
                 for j in range(jc):
                     nisa.nc_matmul(
                         dst=bank[:, j, :],
-                        stationary=self.constants.ones[:, 0:parts],
+                        stationary=self.common.ones[:, 0:parts],
                         moving=negated,
                         is_stationary_onezero=True,
                         accumulate=True,
                     )
                 nisa.activation(dst=self.probs[:, j0 : j0 + jc, :], op=nl.exp, data=bank, scale=group.exp_scale)
-            nisa.nc_matmul(dst=column, stationary=negated, moving=self.constants.minus_one)
+            nisa.nc_matmul(dst=column, stationary=negated, moving=self.common.minus_one)
             self.banks = None
         else:
             spread_psum = nl.ndarray((parts, rows), nl.float32, buffer=nl.psum)
-            nisa.nc_matmul(dst=spread_psum, stationary=self.constants.ones_fp32[:, 0:parts], moving=row_max)
+            nisa.nc_matmul(dst=spread_psum, stationary=self.common.ones_fp32[:, 0:parts], moving=row_max)
             spread = nl.ndarray((parts, rows), nl.float32, buffer=nl.sbuf)  # VectorE reads one PSUM input at most
             nisa.activation(dst=spread, op=nl.copy, data=spread_psum)
             shifted = nl.ndarray((parts, t, rows), nl.float32, buffer=nl.sbuf)
@@ -790,7 +791,7 @@ class _Chunk(nl.NKIObject):
             )
             self.logits = None
             nisa.activation(dst=self.probs, op=nl.exp, data=shifted, scale=group.exp_scale)
-            nisa.nc_matmul(dst=column, stationary=row_max, moving=self.constants.one_fp32)
+            nisa.nc_matmul(dst=column, stationary=row_max, moving=self.common.one_fp32)
         self.max_column = column
 
     def multiply_values(self):
@@ -923,7 +924,7 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
     batch, heads, sq, d = q.shape
     group_size = heads // kv_heads
     rows = group_size * sq
-    constants = _Constants(q.dtype)
+    common = _Common(q.dtype)
     plans = []  # per batch row: (offset, its chunks)
     for b in range(batch):
         start, end = spans[b]
@@ -956,7 +957,7 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
             else [(n, g) for g in range(kv_heads) for n in range(len(planned))]
         )
         shared = (
-            [sources.chunk_source(b, k0, parts, t, kv_heads, constants) for k0, parts, t in planned]
+            [sources.chunk_source(b, k0, parts, t, kv_heads, common) for k0, parts, t in planned]
             if sources.shares_loads
             else []
         )
@@ -975,7 +976,7 @@ def _attend(q, scale, causal, window, softcap, kv_heads, spans, per_partition, s
                 t,
                 offset if causal and last_key > offset else None,
                 offset - window + 1 if window and k0 < sq - 1 + offset - window + 1 else None,
-                constants,
+                common,
                 shared[n] if sources.shares_loads else sources.head_source(b, g, k0, parts, t),
             )
             chunk.last = n == len(planned) - 1
