@@ -548,3 +548,20 @@ def test_bad_paged_arguments_get_a_clear_error(change, match):
             0,
             0.0,
         )
+
+
+def test_a_window_starting_off_the_block_grid_takes_its_stray_keys_first():
+    """A sliding window whose first key is odd (2 queries, window 1000, 3000 keys: key 1999) gets one
+    chunk for the key before the grid of 4-key rows, then chunks of 4, 2 and 1 keys per partition;
+    without it every chunk started off the grid and held one key per partition (modelled on Trn2 at
+    bf16 with 32 query heads over 8 KV heads: 62.9 us, now 41.8)."""
+    assert DECODE.aligned_chunk_plan(1999, 3000, 16) == [
+        (1999, 1, 1),
+        (2000, 128, 4),
+        (2512, 128, 2),
+        (2768, 128, 1),
+        (2896, 104, 1),
+    ]
+    assert DECODE.aligned_chunk_plan(3096, 4096, 16)[0] == (3096, 128, 4)  # on the grid: no stray chunk
+    out, expected, _, _ = _paged_run(1, 8, 2, 64, 16, [3000], 2, causal=True, window=1000)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -168,9 +168,19 @@ def chunk_plan(first, end, per_partition):
 
 def aligned_chunk_plan(first, end, per_partition):
     """As ``chunk_plan``, but every chunk's T divides ``per_partition`` (a power of two) and its first
-    key is a multiple of T, so that a partition's T keys never straddle two blocks of a paged cache."""
+    key is a multiple of T, so that a partition's T keys never straddle two blocks of a paged cache.
+    A first key off the grid of the widest chunk the keys can fill (a window's start) first gets a
+    chunk of the single keys up to it: without it every later chunk would start off that grid too (an
+    odd first key: one key per partition throughout)."""
     chunks = []
     k0 = first
+    widest = per_partition
+    while widest > 1 and end - first < P * widest:
+        widest //= 2
+    lead = -first % widest
+    if lead and end - first - lead >= P:
+        chunks.append((first, lead, 1))
+        k0 += lead
     while end - k0 >= P:
         t = min(per_partition, k0 & -k0) if k0 else per_partition  # the largest power of two dividing k0
         while t > 1 and end - k0 < P * t:
