@@ -3,7 +3,8 @@
 Each engine runs its instructions in program order. An instruction starts when its engine is
 free and every earlier instruction it depends on has finished: read-after-write, and, because
 memory is reused, write-after-read and write-after-write on overlapping regions, and the edges a
-kernel added with ``NkiInstruction.depends_on``. DMA transfers
+kernel added with ``NkiInstruction.depends_on`` (a ``schedule`` edge only keeps the consumer from
+starting before its producer starts). DMA transfers
 go round-robin onto 16 queues that each run in order and all run concurrently; their bytes
 share the core's HBM bandwidth.
 
@@ -139,16 +140,18 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
     memory = _Memory()
     deps: list[set[int]] = []
     local_index = {inst.index: i for i, inst in enumerate(instructions)}
+    issue_after: list[set[int]] = []  # NkiInstruction.depends_on(kind=schedule): start no earlier than these
     for i, inst in enumerate(instructions):
         # Memory dependencies, plus the edges a kernel added with NkiInstruction.depends_on.
         explicit = {local_index[j] for j in inst.attrs.get("depends_on", ()) if j in local_index}
         deps.append(memory.depends(inst) | explicit)
+        issue_after.append({local_index[j] for j in inst.attrs.get("issued_after", ()) if j in local_index} - deps[i])
         memory.record(inst, i)
     dependents: list[list[int]] = [[] for _ in range(count)]
-    for i, d in enumerate(deps):
-        for j in d:
+    for i in range(count):
+        for j in deps[i] | issue_after[i]:
             dependents[j].append(i)
-    waiting = [len(d) for d in deps]
+    waiting = [len(d) + len(a) for d, a in zip(deps, issue_after)]
 
     # Each engine, and each DMA queue, is an in-order lane.
     lanes: dict[str, list[int]] = {}
@@ -174,6 +177,11 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
             finish = slot.end + (hw.cross_engine_sync_ns if slot.engine != inst.engine else 0.0)
             if finish > start:
                 start, waited_on = finish, j
+        for j in issue_after[i]:
+            slot = slots[j]
+            assert slot is not None
+            if slot.start > start:
+                start, waited_on = slot.start, j
         return start, waited_on
 
     def push(i: int) -> None:

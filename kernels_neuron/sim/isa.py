@@ -20,6 +20,7 @@ from . import dtypes, indirection, operands, prng, runtime
 from . import enums as constants  # noqa: F401  (nki.isa.constants: the enums, as nki-library imports them)
 from .cores import core_barrier, sendrecv
 from .enums import (  # noqa: F401
+    dependency,
     dge_mode,
     dma_engine,
     engine,
@@ -2017,9 +2018,11 @@ def register_store(dst: Tensor, src: VirtualRegister) -> None:
 class NkiInstruction:
     """What an ``nki.isa`` instruction returns: a handle to its trace record.
 
-    ``c.depends_on(a, b)`` adds scheduling edges (c runs after a and b). The simulator executes in
-    program order anyway; the edges are kept in the trace (``attrs["depends_on"]``) for the cost
-    model's schedule.
+    ``c.depends_on(a, b, kind=...)`` adds edges: c runs after a and b. The simulator executes in program
+    order anyway; the edges are kept in the trace for the cost model's schedule: a ``runtime`` edge (the
+    default, which is what omitting ``kind`` did before NKI 2.33 added it) in ``attrs["depends_on"]``,
+    where the consumer starts once the producer has finished; a ``schedule`` edge in
+    ``attrs["issued_after"]``, where it only starts no earlier than the producer starts.
     """
 
     __slots__ = ("instruction",)
@@ -2027,7 +2030,13 @@ class NkiInstruction:
     def __init__(self, instruction: Instruction | None) -> None:
         self.instruction = instruction
 
-    def depends_on(self, *producers: NkiInstruction) -> NkiInstruction:
+    def depends_on(self, *producers: NkiInstruction, kind: dependency | str | None = None) -> NkiInstruction:
+        try:
+            edge = dependency.runtime if kind is None else dependency(kind)
+        except ValueError:
+            raise rule(
+                "NkiInstruction.depends_on", "kind", "must be nki.isa.dependency.runtime or .schedule", kind=kind
+            ) from None
         for producer in producers:
             if not isinstance(producer, NkiInstruction):
                 raise TypeError(f"depends_on: expected instructions returned by nki.isa, got {type(producer).__name__}")
@@ -2041,7 +2050,8 @@ class NkiInstruction:
                     producer=producer.instruction.op,
                     consumer=self.instruction.op,
                 )
-            self.instruction.attrs.setdefault("depends_on", []).append(producer.instruction.index)
+            key = "depends_on" if edge is dependency.runtime else "issued_after"
+            self.instruction.attrs.setdefault(key, []).append(producer.instruction.index)
         return self
 
     def __repr__(self) -> str:

@@ -434,6 +434,40 @@ def test_depends_on_orders_the_cost_models_schedule():
     assert ordered[1].start >= ordered[0].end > 0.0  # ...unless told to wait
 
 
+def test_depends_on_kind_runtime_waits_for_the_producer_and_schedule_only_for_its_issue():
+    """NKI 2.33's ``kind=``: ``dependency.runtime`` is a semaphore wait (as omitting ``kind`` was);
+    ``dependency.schedule`` orders issue only, so work on another engine may overlap the producer."""
+    from kernels_neuron.cost.hardware import HARDWARE
+    from kernels_neuron.cost.schedule import schedule
+
+    def kernel(kind):
+        x = nl.ndarray((128, 2048), nl.float32, buffer=nl.sbuf)
+        a = nl.ndarray((128, 2048), nl.float32, buffer=nl.sbuf)
+        b = nl.ndarray((128, 2048), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=x, value=0.5, engine=nisa.gpsimd_engine)
+        first = nisa.activation(dst=a, op=nl.exp, data=x)  # ScalarE, after the memset
+        second = nisa.memset(dst=b, value=2.0, engine=nisa.vector_engine)  # free to start at 0
+        if kind != "none":
+            second.depends_on(first, kind=kind)
+
+    hw = HARDWARE["trn2"]
+    slots = {
+        kind: schedule(sim.run(kernel, kind).trace.instructions, hw).slots for kind in ("none", "runtime", "schedule")
+    }
+    producer = slots["none"][1]
+    assert slots["none"][2].start == 0.0 < producer.start
+    assert slots["runtime"][2].start >= producer.end
+    assert producer.start <= slots["schedule"][2].start < producer.end
+    scheduled = sim.run(kernel, "schedule").trace.instructions[2].attrs
+    assert scheduled["issued_after"] == [1] and "depends_on" not in scheduled
+    assert sim.run(kernel, nisa.dependency.runtime).trace.instructions[2].attrs["depends_on"] == [1]
+    with pytest.raises(
+        nisa.NkiValidationError,
+        match=r"depends_on: kind: must be nki.isa.dependency.runtime or .schedule \(kind=hard\)",
+    ):
+        sim.run(kernel, "hard")
+
+
 def test_nonzero_with_count_docs_example():
     """The reference's example row: [0, 1, 1, 0, 0, 1, 0, 0] with index_offset=16."""
 

@@ -82,3 +82,12 @@ class nc_version(_NkiEnum):
 class dma_engine(_NkiEnum):
     dma = 1
     gpsimd_dma = 2
+
+
+class dependency(_NkiEnum):
+    """How ``NkiInstruction.depends_on`` orders a pair: ``runtime`` is a hardware semaphore wait (the
+    consumer starts once the producer has finished); ``schedule`` only constrains the order in which the
+    compiler issues them (on different engines they may still overlap)."""
+
+    runtime = "runtime"
+    schedule = "schedule"
