@@ -125,17 +125,13 @@ def keys_per_partition(head_dim, element_bytes, rows):
     return max(1, min(CHUNK_BYTES // (head_dim * element_bytes), SCORE_BANKS * _bank_blocks(rows)))
 
 
-def fits_resident(key_rows, kv_heads, head_dim, element_bytes, rows, sbuf_bytes):
-    """Whether ``key_rows`` keys per partition of every KV head (K, [V | 1] and the probabilities
-    P^T of ``rows`` query rows) fit in the SBUF partition (``sbuf_bytes``) less SBUF_RESERVE."""
-    per_key = kv_heads * ((2 * head_dim + 1) * element_bytes + rows * element_bytes)
-    return key_rows * per_key <= sbuf_bytes - SBUF_RESERVE
-
-
-def _planned_loads_fit(planned, k, kv_heads, rows):
-    """``fits_resident`` for the planned chunks ``(k0, partitions, T)`` of cache ``k`` (head dim last)."""
-    key_rows = sum(t for _, _, t in planned)
-    return fits_resident(key_rows, kv_heads, k.shape[-1], itemsize(k.dtype), rows, nl.tile_size.sbuf_fmax_bytes)
+def fits_resident(planned, k, kv_heads, rows):
+    """Whether the planned chunks' ``(k0, partitions, T)`` keys of every KV head (K, [V | 1] and the
+    probabilities P^T of ``rows`` query rows) fit in an SBUF partition less SBUF_RESERVE; ``k`` is the
+    cache (head dim last)."""
+    item = itemsize(k.dtype)
+    per_key = kv_heads * ((2 * k.shape[-1] + 1) * item + rows * item)
+    return sum(t for _, _, t in planned) * per_key <= nl.tile_size.sbuf_fmax_bytes - SBUF_RESERVE
 
 
 def _values_with_ones(shape, dtype):
@@ -363,7 +359,7 @@ class _DenseCache(nl.NKIObject):
     def reserve(self, planned, kv_heads, rows):
         """Resident (as ``_PagedCache.reserve``) when every KV head's loads of every planned chunk and
         their probabilities fit in SBUF at once; otherwise each chunk loads its keys in its load stage."""
-        self.resident = _planned_loads_fit(planned, self.k, kv_heads, rows)
+        self.resident = fits_resident(planned, self.k, kv_heads, rows)
 
     def head_source(self, b, g, k0, parts, per_partition):
         """What one KV head's chunk loads from: buffers of its own when resident, else the cache itself."""
@@ -596,7 +592,7 @@ class _PagedCache(nl.NKIObject):
         work (transposes, scores, softmax) while the values stream in, then P V load by load. Otherwise
         V lands in a ring of buffers (``value_buffers``) whose ones columns are set once, here (a
         memset per load would wait for GpSimd's queue), and each load starts the next, a chunk ahead."""
-        self.resident = _planned_loads_fit(planned, self.k, kv_heads, rows)
+        self.resident = fits_resident(planned, self.k, kv_heads, rows)
         if self.resident:
             return
         d = self.k.shape[2]
