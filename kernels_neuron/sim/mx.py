@@ -24,10 +24,10 @@ import numpy as np
 
 from . import dtypes, indirection, operands, runtime
 from .errors import rule, too_old
+from .memory import QUADRANT
 from .tensor import Tensor
 
 GROUP_PARTITIONS = 8  # a scaling group spans 8 partitions x one x4 element
-QUADRANT = 32
 SCALE_BIAS = 127
 _FP8_ELEMENTS = {
     "float8_e5m2_x4": np.dtype(ml_dtypes.float8_e5m2),

@@ -87,7 +87,7 @@ def _check_priority(instr: str, run: runtime.Run, priority: Any) -> None:
     if priority is None:
         return
     if run.target.generation < PRIORITY_MIN_GENERATION:
-        raise too_old(instr, "priority", run.target.name, 4, "DMA priority")
+        raise too_old(instr, "priority", run.target.name, PRIORITY_MIN_GENERATION, "DMA priority")
     if int(priority) not in PRIORITY_LEVELS:
         raise rule(instr, "priority", "must be a level from 0 to 3", value=priority)
 

@@ -13,9 +13,9 @@ from typing import Any
 
 from . import dtypes, runtime
 from .errors import rule, too_old
+from .memory import QUADRANT
 from .tensor import Tensor
 
-QUADRANT = 32
 # Partitions that share one column of offsets: 16 on the Vector/Scalar/GpSimd engines, 32 on TensorE.
 GROUP_PARTITIONS = {"tensor": 32}
 DEFAULT_GROUP_PARTITIONS = 16
@@ -62,12 +62,12 @@ def check_accepted(t: Tensor, instr: str, role: str) -> None:
 
 
 def bind(t: Tensor, instr: str, role: str, engine: str) -> Tensor:
-    """Check an operand that may be an ``.indirect()`` view and fix its partition group to the engine
-    that runs the instruction; other operands pass through unchanged."""
+    """Check an operand that may be an ``.indirect()`` view (``operands.tile`` has already checked the
+    instruction accepts it there) and fix its partition group to the engine that runs the instruction;
+    other operands pass through unchanged."""
     columns = t._columns
     if columns is None:
         return t
-    check_accepted(t, instr, role)
     target = runtime.current().target
     if target.generation < 4:
         raise too_old(instr, role, target.name, 4, "tensor indirection")
