@@ -183,12 +183,17 @@ class Run:
     ) -> Instruction:
         reads = [(role, t) for role, t in reads if t is not None]
         writes = [(role, t) for role, t in writes if t is not None]
+        streamed = writes + reads
+        partitions = free = 0
+        for _, t in streamed:  # the widest operand the engine streams
+            size = t._view.size
+            if size > partitions * free:
+                partitions = t.partition_size
+                free = size // max(partitions, 1)
         # The offsets of an .indirect() view, and the vector_offset rows of a DMA gather or scatter, are inputs
         # of the instruction that uses them.
-        indexes = [(f"{role}_index", t._columns.index) for role, t in writes + reads if t._columns is not None]
-        indexes += [
-            (f"{role}_vector_offset", t._indirect.index) for role, t in writes + reads if t._indirect is not None
-        ]
+        indexes = [(f"{role}_index", t._columns.index) for role, t in streamed if t._columns is not None]
+        indexes += [(f"{role}_vector_offset", t._indirect.index) for role, t in streamed if t._indirect is not None]
         reads += indexes
         uncomputed = self.uncomputed
         if not self.numerics and any(t._buf.address in uncomputed for _, t in reads):
@@ -197,13 +202,9 @@ class Run:
             for _, t in writes:
                 self.mark_uncomputed(t._buf)
         self.memory.touch(op, reads, writes, len(self.trace.instructions))
-        operands = tuple(Operand(role, t._view.shape, dtypes.name(t._dtype), t._buf.kind) for role, t in writes + reads)
-        partitions = free = 0
-        for _, t in writes + reads[: len(reads) - len(indexes)]:  # the widest operand the engine streams
-            size = t._view.size
-            if size > partitions * free:
-                partitions = t.partition_size
-                free = size // max(partitions, 1)
+        operands = tuple(
+            Operand(role, t._view.shape, dtypes.name(t._dtype), t._buf.kind) for role, t in streamed + indexes
+        )
         hbm_read = sum(t.nbytes for _, t in reads if t.buffer in HBM_KINDS)
         hbm_written = sum(t.nbytes for _, t in writes if t.buffer in HBM_KINDS)
         inst = Instruction(

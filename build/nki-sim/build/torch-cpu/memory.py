@@ -168,8 +168,7 @@ class OnChipMemory:
         """The program ended: record each memory's peak in the trace and check it fits."""
         for kind in ON_CHIP:
             peak, at = _peak(self._usages[kind], self.target.partitions)
-            field = "sbuf_peak_bytes" if kind == "sbuf" else "psum_peak_bytes"
-            setattr(self.trace, field, max(getattr(self.trace, field), peak))
+            self._note_peak(kind, peak)
             limit = self.limit(kind)
             if peak > limit:
                 live = sorted((u for u in self._usages[kind] if _spans(u, at)), key=lambda u: -u.nbytes)
@@ -184,9 +183,13 @@ class OnChipMemory:
                     peak,
                 )
 
-    def _over(self, message: str, kind: str, nbytes: int) -> None:
+    def _note_peak(self, kind: str, nbytes: int) -> None:
+        """Raise the trace's peak of ``kind`` (SBUF or PSUM bytes per partition) to ``nbytes``."""
         field = "sbuf_peak_bytes" if kind == "sbuf" else "psum_peak_bytes"
         setattr(self.trace, field, max(getattr(self.trace, field), nbytes))
+
+    def _over(self, message: str, kind: str, nbytes: int) -> None:
+        self._note_peak(kind, nbytes)
         if self.capacity == "error":
             raise CapacityError(message)
         warnings.warn(message, CapacityWarning, stacklevel=4)
