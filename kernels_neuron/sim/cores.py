@@ -25,7 +25,7 @@ import numpy as np
 from . import dtypes, operands, runtime
 from .enums import dma_engine as _DmaEngine
 from .enums import engine as _Engine
-from .errors import NkiValidationError, rule, too_old
+from .errors import NkiValidationError, require_generation, rule
 from .tensor import Tensor
 
 LNC_RANKS = (0, 1)
@@ -136,8 +136,7 @@ class Programs:
 
 def _lnc_pair(instr: str, run: runtime.Run) -> tuple[int, tuple[int, ...], Programs]:
     """This program's rank, its core pair's key and the launch's scheduler."""
-    if run.target.generation < 3:
-        raise too_old(instr, "target", run.target.name, 3)
+    require_generation(instr, "target", run.target, 3)
     programs = run.cores
     if programs is None or run.grid[0] != len(LNC_RANKS):
         raise rule(
@@ -228,8 +227,7 @@ def core_barrier(data: Tensor, cores: Sequence[int], engine: _Engine = _Engine.g
         raise rule(instr, "data", "must be a shared HBM tensor (nl.shared_hbm)", buffer=str(data.buffer))
     eng = operands.engine_for(engine, instr, ("gpsimd", "vector", "scalar"), "gpsimd")
     if group == (0,):
-        if run.target.generation < 3:
-            raise too_old(instr, "target", run.target.name, 3)
+        require_generation(instr, "target", run.target, 3)
         if run.program_id[0] != 0:
             raise rule(instr, "cores", "a one-core barrier (0,) runs on core 0 only", rank=run.program_id[0])
     else:

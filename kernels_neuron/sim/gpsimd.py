@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes, operands, runtime
-from .errors import rule, too_old
+from .errors import require_generation, rule
 from .tensor import Tensor
 
 PARTITIONS_PER_CORE = 16
@@ -172,8 +172,7 @@ def nonzero_with_count(
     ``padding_val`` up to the input length, then the count; partitions 1..15 of each core are untouched."""
     instr = "nisa.nonzero_with_count"
     run = runtime.current()
-    if run.target.generation < 3:
-        raise too_old(instr, "target", run.target.name, 3)
+    require_generation(instr, "target", run.target, 3)
     dst, src = _sbuf_tile(dst, instr, "dst"), _sbuf_tile(src, instr, "src")
     _dtype_in(src, instr, "src", ("float32", "int32"))
     _dtype_in(dst, instr, "dst", ("int32",))

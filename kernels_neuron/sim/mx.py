@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from . import dtypes, indirection, operands, runtime
-from .errors import rule, too_old
+from .errors import require_generation, rule
 from .memory import QUADRANT
 from .tensor import Tensor
 
@@ -42,8 +42,7 @@ _SCALE_DTYPES = ("float8_e8m0fnu", "uint8")
 
 def _check_nc_v4(instr: str) -> runtime.Run:
     run = runtime.current()
-    if run.target.generation < 4:
-        raise too_old(instr, "target", run.target.name, 4)
+    require_generation(instr, "target", run.target, 4)
     return run
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes, operands, runtime
-from .errors import rule, too_old
+from .errors import require_generation, rule
 from .isa import VirtualRegister
 from .language import NKIObject
 from .ops import Op, as_alu
@@ -86,8 +86,7 @@ def _name(function: str) -> str:
 def _check_priority(instr: str, run: runtime.Run, priority: Any) -> None:
     if priority is None:
         return
-    if run.target.generation < PRIORITY_MIN_GENERATION:
-        raise too_old(instr, "priority", run.target.name, PRIORITY_MIN_GENERATION, "DMA priority")
+    require_generation(instr, "priority", run.target, PRIORITY_MIN_GENERATION, "DMA priority")
     if int(priority) not in PRIORITY_LEVELS:
         raise rule(instr, "priority", "must be a level from 0 to 3", value=priority)
 

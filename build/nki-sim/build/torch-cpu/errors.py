@@ -61,3 +61,9 @@ def too_old(instruction: str, operand: str, target: str, generation: int, what: 
     return rule(
         instruction, operand, f"{what + ' ' if what else ''}needs NeuronCore-v{generation} or newer", target=target
     )
+
+
+def require_generation(instruction: str, operand: str, target: Any, generation: int, what: str = "") -> None:
+    """Raise :func:`too_old` unless ``target`` (a ``targets.Target``) is NeuronCore-v``generation`` or newer."""
+    if target.generation < generation:
+        raise too_old(instruction, operand, target.name, generation, what)

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import dtypes, runtime
-from .errors import rule, too_old
+from .errors import require_generation, rule
 from .memory import QUADRANT
 from .tensor import Tensor
 
@@ -69,8 +69,7 @@ def bind(t: Tensor, instr: str, role: str, engine: str) -> Tensor:
     if columns is None:
         return t
     target = runtime.current().target
-    if target.generation < 4:
-        raise too_old(instr, role, target.name, 4, "tensor indirection")
+    require_generation(instr, role, target, 4, "tensor indirection")
     engines = OPERANDS[instr][1]
     if engine not in engines:
         raise rule(instr, "engine", "with tensor indirection it runs on " + "/".join(engines) + " only", engine=engine)

@@ -34,7 +34,14 @@ from .enums import (  # noqa: F401
     unknown_engine,
     vector_engine,
 )
-from .errors import AccumulateOntoNonMatmulWarning, AccumulateUninitializedWarning, NkiValidationError, rule, too_old
+from .errors import (
+    AccumulateOntoNonMatmulWarning,
+    AccumulateUninitializedWarning,
+    NkiValidationError,
+    require_generation,
+    rule,
+    too_old,
+)
 from .gpsimd import local_gather, nonzero_with_count, sequence_bounds, topk
 from .mx import nc_matmul_mx, quantize_mx
 from .ops import ALL as _OPS
@@ -322,8 +329,7 @@ def _check_transpose_dge(instr: str, src: Tensor, mode: dge_mode, target: Any) -
             raise rule(instr, "dge_mode", "an indirect transpose takes unknown or swdge", dge_mode=mode.name)
         if src.buffer not in runtime.HBM_KINDS:
             raise rule(instr, "src", "an indirect transpose gathers from HBM", buffer=src.buffer)
-        if target.generation < 3:
-            raise too_old(instr, "src", target.name, 3, "an indirect transpose")
+        require_generation(instr, "src", target, 3, "an indirect transpose")
         if src.shape[-1] > 128:
             raise rule(instr, "src", "an indirect transpose moves at most 128 elements per row", shape=list(src.shape))
         return
@@ -1344,8 +1350,7 @@ def activate2(
     """NeuronCore-v4 ScalarE: ``op((data <op0> imm0) <op1> imm1)`` with an optional reduction."""
     instr = "nisa.activate2"
     run = runtime.current()
-    if run.target.generation < 4:
-        raise too_old(instr, "target", run.target.name, 4, "activate2")
+    require_generation(instr, "target", run.target, 4, "activate2")
     fn = as_activation(op, instr)
     first, second = as_alu(op0, instr, "op0"), as_alu(op1, instr, "op1")
     if (first.name, second.name) not in _ACTIVATE2_COMBOS:
@@ -1469,8 +1474,7 @@ def range_select(
     """Keep elements whose free index (+ ``range_start``) satisfies both bounds; max-reduce the result."""
     instr = "nisa.range_select"
     run = runtime.current()
-    if run.target.generation < 3:
-        raise too_old(instr, "target", run.target.name, 3, "range_select")
+    require_generation(instr, "target", run.target, 3, "range_select")
     c0, c1 = as_alu(comp_op0, instr, "comp_op0"), as_alu(comp_op1, instr, "comp_op1")
     for role, c in (("comp_op0", c0), ("comp_op1", c1)):
         if c.name not in _RANGE_COMPARE:
@@ -1844,8 +1848,7 @@ def rand2(dst: Tensor, min: Any, max: Any, name: str | None = None) -> None:
     """NeuronCore-v4: uniform random values in [min, max]."""
     instr = "nisa.rand2"
     run = runtime.current()
-    if run.target.generation < 4:
-        raise too_old(instr, "target", run.target.name, 4, "rand2")
+    require_generation(instr, "target", run.target, 4, "rand2")
     dst = operands.compute_tile(dst, instr, "dst", "vector")
     parts = dst.partition_size
     lo = operands.scalar_or_vector(min, instr, "min", parts, "vector")

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import dtypes, operands, runtime
 from .enums import engine
-from .errors import rule, too_old
+from .errors import require_generation, rule
 from .tensor import Tensor
 
 WORDS_PER_GENERATOR = 6
@@ -25,8 +25,7 @@ def _engines(run: runtime.Run) -> tuple[str, ...]:
 
 
 def _check_target(instr: str, run: runtime.Run) -> None:
-    if run.target.generation < 3:
-        raise too_old(instr, "target", run.target.name, 3)
+    require_generation(instr, "target", run.target, 3)
 
 
 def _check_state_tile(instr: str, role: str, t: Tensor, eng: str) -> None:
