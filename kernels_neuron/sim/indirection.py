@@ -48,9 +48,7 @@ OPERANDS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
 
 
 def check_accepted(t: Tensor, instr: str, role: str) -> None:
-    """An ``.indirect()`` view only where the instruction's docstring lists the operand."""
-    if t._columns is None:
-        return
+    """``t``, an ``.indirect()`` view, only where the instruction's docstring lists the operand."""
     accepted = OPERANDS.get(instr)
     if accepted is None or role not in accepted[0]:
         raise rule(

@@ -29,7 +29,8 @@ def tile(x: Any, instr: str, role: str) -> Tensor:
         raise rule(instr, role, f"expected an NKI tensor, got {type(x).__name__}")
     if x._indirect is not None and instr not in ("nisa.dma_copy", "nisa.dma_transpose", "nisa.dma_compute"):
         raise rule(instr, role, "indirect (vector_offset) access patterns are only for DMA instructions")
-    indirection.check_accepted(x, instr, role)
+    if x._columns is not None:
+        indirection.check_accepted(x, instr, role)
     return x
 
 
@@ -42,7 +43,9 @@ def where(t: Tensor, instr: str, role: str, allowed: Sequence[str]) -> None:
 def compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str] = ("sbuf", "psum")) -> Tensor:
     """Checks for an operand a compute engine reads or writes (an ``.indirect()`` view comes back bound to
     the engine's partition groups)."""
-    t = indirection.bind(tile(t, instr, role), instr, role, eng)
+    t = tile(t, instr, role)
+    if t._columns is not None:
+        t = indirection.bind(t, instr, role, eng)
     where(t, instr, role, allowed)
     if eng == "gpsimd" and t.buffer == "psum":
         raise rule(instr, role, "the GpSimd engine cannot access PSUM")

@@ -439,10 +439,11 @@ class Tensor:
     def _normalize_key(self, key: Any) -> tuple:
         if not isinstance(key, tuple):
             key = (key,)
-        if any(k is Ellipsis for k in key):
-            at = next(i for i, k in enumerate(key) if k is Ellipsis)
-            fill = self.ndim - (len(key) - 1)
-            key = key[:at] + (slice(None),) * fill + key[at + 1 :]
+        for at, k in enumerate(key):
+            if k is Ellipsis:
+                fill = self.ndim - (len(key) - 1)
+                key = key[:at] + (slice(None),) * fill + key[at + 1 :]
+                break
         if len(key) > self.ndim:
             raise IndexError(f"too many indices for a {self.ndim}-d tensor {list(self.shape)}: {key}")
         out: list[Any] = []
@@ -857,11 +858,12 @@ class Tensor:
 
 
 def _checked_slice(k: slice, n: int, dim: int, tensor: Tensor) -> slice:
-    step = 1 if k.step is None else int(k.step)
+    start, stop, step = k.start, k.stop, k.step
+    step = 1 if step is None else int(step)
     if step <= 0:
         raise IndexError(f"dim {dim}: only positive slice steps are supported, got {step}")
-    start = 0 if k.start is None else int(k.start)
-    stop = n if k.stop is None else int(k.stop)
+    start = 0 if start is None else int(start)
+    stop = n if stop is None else int(stop)
     if start < 0:
         start += n
     if stop < 0:

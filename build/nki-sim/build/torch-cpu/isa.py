@@ -573,16 +573,16 @@ def nc_matmul(
             bank_bytes=bank,
         )
     writers = dst.psum_writers().reshape(m, n)
-    if accumulate is None:
-        add = writers != runtime.PSUM_UNWRITTEN
-    else:
-        add = np.full((m, n), bool(accumulate))
-    accumulates = bool(add.any())
+    # The writer codes are ordered (unwritten < by matmul < by another instruction), so one reduction
+    # tells both whether any element was written and whether another instruction wrote one.
+    latest_writer = int(writers.max())
+    accumulates = latest_writer != runtime.PSUM_UNWRITTEN if accumulate is None else bool(accumulate)
     if accumulates:
         # Every element the rules concern is one this matmul adds to (all of them with accumulate=True;
         # with None, every written one), so the rules read the whole tile, no masked copy.
-        _check_accumulation(instr, writers, bool(accumulate), target)
+        _check_accumulation(instr, writers, latest_writer, bool(accumulate), target)
     if run.numerics:
+        add = writers != runtime.PSUM_UNWRITTEN if accumulate is None else np.full((m, n), bool(accumulate))
         st, mv = operands.rows(stationary), operands.rows(moving)
         if double_row:
             st, mv = _double_row_pairs(st, k), _double_row_pairs(mv, k)
@@ -635,16 +635,17 @@ def _double_row_pairs(values: np.ndarray, k: int) -> np.ndarray:
     return values.reshape(k, 2, -1).transpose(1, 0, 2).reshape(2 * k, -1)
 
 
-def _check_accumulation(instr: str, writers: np.ndarray, explicit: bool, target: Any) -> None:
-    """The accumulation rules of nki.isa.nc_matmul's docstring ("Accumulation mode")."""
-    if explicit and (writers == runtime.PSUM_UNWRITTEN).any():
+def _check_accumulation(instr: str, writers: np.ndarray, latest_writer: int, explicit: bool, target: Any) -> None:
+    """The accumulation rules of nki.isa.nc_matmul's docstring ("Accumulation mode"); ``latest_writer`` is
+    the highest writer code in ``writers``."""
+    if explicit and writers.min() == runtime.PSUM_UNWRITTEN:
         warnings.warn(
             f"{instr}: accumulate=True onto PSUM that no matmul has written is undefined behaviour on "
             "every target; start the group with accumulate=False",
             AccumulateUninitializedWarning,
             stacklevel=3,
         )
-    if target.generation < 4 and (writers == runtime.PSUM_BY_OTHER).any():
+    if target.generation < 4 and latest_writer == runtime.PSUM_BY_OTHER:
         # A warning, not an error: AWS's own trn2 kernel (nki-library's attention_bwd) zeroes PSUM with
         # memset and accumulates onto it, so the hardware evidently sums; the docs still call it undefined.
         warnings.warn(

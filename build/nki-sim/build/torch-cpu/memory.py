@@ -265,25 +265,28 @@ def _union_bytes(boxes: list[tuple[int, int, int, int]]) -> int:
 
 def box_of(buf: Buffer, view: np.ndarray) -> Region:
     """The partition/byte box ``view`` touches inside ``buf``'s own storage."""
+    shape, strides = view.shape, view.strides
+    if 0 in shape:
+        return Region(buf.id, 0, 0, 0, 0)
     start = view.__array_interface__["data"][0] - buf.address
-    lo = hi = start
-    for n, s in zip(view.shape, view.strides):
-        if n == 0:
-            return Region(buf.id, 0, 0, 0, 0)
-        span = (n - 1) * s
-        lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
-    hi += view.itemsize
+    # The bytes one partition's elements span, relative to the view's first element (the free dims; a
+    # negative stride reaches below it), then the partition dim's span on top.
+    free_lo, free_hi = 0, view.itemsize
+    for n, s in zip(shape[1:], strides[1:]):
+        if s < 0:
+            free_lo += (n - 1) * s
+        else:
+            free_hi += (n - 1) * s
+    span = (shape[0] - 1) * strides[0] if shape else 0
+    lo, hi = start + free_lo + min(span, 0), start + free_hi + max(span, 0)
     if not buf.on_chip:
         return Region(buf.id, 0, 1, lo, hi)
     row = buf.partition_bytes
     p0, p1 = lo // row, (hi - 1) // row + 1
     if p1 - p0 == 1:
         return Region(buf.id, p0, p1, lo - p0 * row, hi - p0 * row)
-    free_lo, free_hi = start % row, start % row + view.itemsize
-    for n, s in zip(view.shape[1:], view.strides[1:]):
-        span = (n - 1) * s
-        free_lo, free_hi = (free_lo + span, free_hi) if span < 0 else (free_lo, free_hi + span)
-    return Region(buf.id, p0, p1, max(free_lo, 0), min(free_hi, row))
+    first = start % row
+    return Region(buf.id, p0, p1, max(first + free_lo, 0), min(first + free_hi, row))
 
 
 def region_of(buf: Buffer, view: np.ndarray) -> Region:

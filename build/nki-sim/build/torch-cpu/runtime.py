@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 # What last wrote each PSUM element: nc_matmul tells overwrite from accumulate by it, and warns when
 # it accumulates on NeuronCore-v2/v3 onto a value another instruction wrote (undefined there, by the docs).
+# Ordered, so that a tile's maximum code answers both questions at once.
 PSUM_UNWRITTEN, PSUM_BY_MATMUL, PSUM_BY_OTHER = 0, 1, 2
 HBM_KINDS = ("hbm", "shared_hbm", "private_hbm")
 
@@ -185,44 +186,61 @@ class Run:
         writes = [(role, t) for role, t in writes if t is not None]
         streamed = writes + reads
         partitions = free = 0
-        for _, t in streamed:  # the widest operand the engine streams
-            size = t._view.size
-            if size > partitions * free:
-                partitions = t.partition_size
-                free = size // max(partitions, 1)
         # The offsets of an .indirect() view, and the vector_offset rows of a DMA gather or scatter, are inputs
         # of the instruction that uses them.
-        indexes = [(f"{role}_index", t._columns.index) for role, t in streamed if t._columns is not None]
-        indexes += [(f"{role}_vector_offset", t._indirect.index) for role, t in streamed if t._indirect is not None]
+        column_indexes: list[tuple[str, Tensor]] = []
+        row_indexes: list[tuple[str, Tensor]] = []
+        for role, t in streamed:
+            size = t._view.size
+            if size > partitions * free:  # the widest operand the engine streams
+                partitions = t.partition_size
+                free = size // max(partitions, 1)
+            if t._columns is not None:
+                column_indexes.append((f"{role}_index", t._columns.index))
+            if t._indirect is not None:
+                row_indexes.append((f"{role}_vector_offset", t._indirect.index))
+        indexes = column_indexes + row_indexes
         reads += indexes
-        uncomputed = self.uncomputed
-        if not self.numerics and any(t._buf.address in uncomputed for _, t in reads):
-            # Whatever an instruction computes from an uncomputed operand is uncomputed too
-            # (the instructions that still run their arithmetic in a trace-only run rely on this).
-            for _, t in writes:
-                self.mark_uncomputed(t._buf)
+        if not self.numerics:
+            uncomputed = self.uncomputed
+            for _, t in reads:
+                if t._buf.address in uncomputed:
+                    # Whatever an instruction computes from an uncomputed operand is uncomputed too
+                    # (the instructions that still run their arithmetic in a trace-only run rely on this).
+                    for _, written in writes:
+                        self.mark_uncomputed(written._buf)
+                    break
         self.memory.touch(op, reads, writes, len(self.trace.instructions))
+        new_operand = tuple.__new__  # Operand(...) without its keyword-handling constructor: hot path
         operands = tuple(
-            Operand(role, t._view.shape, dtypes.name(t._dtype), t._buf.kind) for role, t in streamed + indexes
+            [
+                new_operand(Operand, (role, t._view.shape, dtypes.name(t._dtype), t._buf.kind))
+                for role, t in streamed + indexes
+            ]
         )
-        hbm_read = sum(t.nbytes for _, t in reads if t.buffer in HBM_KINDS)
-        hbm_written = sum(t.nbytes for _, t in writes if t.buffer in HBM_KINDS)
+        hbm_read = hbm_written = 0
+        for _, t in reads:
+            if t._buf.kind in HBM_KINDS:
+                hbm_read += t.nbytes
+        for _, t in writes:
+            if t._buf.kind in HBM_KINDS:
+                hbm_written += t.nbytes
         inst = Instruction(
-            index=len(self.trace.instructions),
-            engine=engine,
-            op=op,
-            operands=operands,
-            reads=tuple(t.region() for _, t in reads),
-            writes=tuple(t.region() for _, t in writes),
-            partitions=partitions,
-            free_elements=free,
-            bytes_moved=bytes_moved,
-            hbm_bytes_read=hbm_read,
-            hbm_bytes_written=hbm_written,
-            flops=flops,
-            program=self.program_id,
-            rank=self.rank,
-            attrs=attrs,
+            len(self.trace.instructions),
+            engine,
+            op,
+            operands,
+            tuple([t.region() for _, t in reads]),
+            tuple([t.region() for _, t in writes]),
+            partitions,
+            free,
+            bytes_moved,
+            hbm_read,
+            hbm_written,
+            flops,
+            self.program_id,
+            self.rank,
+            attrs,
         )
         self.trace.instructions.append(inst)
         return inst
