@@ -125,6 +125,32 @@ def test_sbuf_indexing_matches_numpy_and_stays_2d(data, shape):
     np.testing.assert_array_equal(out, x[numpy_key].reshape(expected_shape))
 
 
+@PROPERTY
+@given(data=st.data(), shape=shapes(2, 4), buffer=st.sampled_from(["hbm", "sbuf"]), hops=st.integers(1, 3))
+def test_indexing_derives_the_offset_numpy_reports(data, shape, buffer, hops):
+    """Indexing computes a view's byte offset from its parent's (regions and dependencies rest on it);
+    after every hop of a chain, and through a permuted parent, it is NumPy's own answer."""
+
+    def numpy_offset(t):
+        return t._view.__array_interface__["data"][0] - t._buf.address
+
+    def kernel(x):
+        t = x
+        if buffer == "sbuf":
+            t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=x)
+        if buffer == "hbm" and data.draw(st.booleans()):
+            t = t.permute(tuple(reversed(range(t.ndim))))
+        for _ in range(hops):
+            key, _ = data.draw(index_keys(t.shape, on_chip=buffer == "sbuf"))
+            t = t[key]
+            assert t.byte_offset() == numpy_offset(t)
+            assert t.region() == sim.tensor.Tensor(t._buf, t._view, t.dtype).region()
+        return x
+
+    sim.run(kernel, arange(shape))
+
+
 def test_on_chip_indexing_rule_examples():
     def kernel(x):
         t = nl.ndarray((64, 4, 32), nl.float32, buffer=nl.sbuf)

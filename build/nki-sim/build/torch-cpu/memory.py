@@ -263,12 +263,12 @@ def _union_bytes(boxes: list[tuple[int, int, int, int]]) -> int:
     return fullest
 
 
-def box_of(buf: Buffer, view: np.ndarray) -> Region:
-    """The partition/byte box ``view`` touches inside ``buf``'s own storage."""
+def box_of(buf: Buffer, view: np.ndarray, start: int) -> Region:
+    """The partition/byte box ``view`` touches inside ``buf``'s own storage; its first element lies
+    ``start`` bytes into that storage."""
     shape, strides = view.shape, view.strides
     if 0 in shape:
         return Region(buf.id, 0, 0, 0, 0)
-    start = view.__array_interface__["data"][0] - buf.address
     # The bytes one partition's elements span, relative to the view's first element (the free dims; a
     # negative stride reaches below it), then the partition dim's span on top.
     free_lo, free_hi = 0, view.itemsize
@@ -289,10 +289,11 @@ def box_of(buf: Buffer, view: np.ndarray) -> Region:
     return Region(buf.id, p0, p1, max(first + free_lo, 0), min(first + free_hi, row))
 
 
-def region_of(buf: Buffer, view: np.ndarray) -> Region:
-    """The partition/byte box ``view`` touches: inside ``buf``, or for a tile placed at an explicit
-    address, inside the physical memory there."""
-    box = box_of(buf, view)
+def region_of(buf: Buffer, view: np.ndarray, start: int) -> Region:
+    """The partition/byte box ``view`` (its first element ``start`` bytes into ``buf``'s storage)
+    touches: inside ``buf``, or for a tile placed at an explicit address, inside the physical memory
+    there."""
+    box = box_of(buf, view, start)
     placement = buf.placement
     if placement is None:
         return box
@@ -310,15 +311,15 @@ def _touched(t: Tensor) -> tuple[Any, Any] | None:
         if not columns.index_known():
             return None
         view = columns.base._view
-        offsets = view.__array_interface__["data"][0] - buf.address
+        picked = np.asarray(columns.base.byte_offset())
         for index, stride in zip(columns.targets(), view.strides):
-            offsets = offsets + index * stride
-        return _element_bytes(np.asarray(offsets).reshape(-1), view.itemsize, buf.partition_bytes)
-    view = t._view
-    box = box_of(buf, view)
+            picked = picked + index * stride
+        return _element_bytes(picked.reshape(-1), view.itemsize, buf.partition_bytes)
+    view, start = t._view, t.byte_offset()
+    box = box_of(buf, view, start)
     if view.size * view.itemsize == (box.p1 - box.p0) * (box.b1 - box.b0):
         return slice(box.p0, box.p1), slice(box.b0, box.b1)
-    offsets = np.array([view.__array_interface__["data"][0] - buf.address])
+    offsets = np.array([start])
     for n, stride in zip(view.shape, view.strides):
         offsets = (offsets[:, None] + np.arange(n) * stride).reshape(-1)
     return _element_bytes(offsets, view.itemsize, buf.partition_bytes)

@@ -185,8 +185,8 @@ class Columns:
 class Tensor:
     """A tensor in HBM, SBUF or PSUM, as NKI kernels see it."""
 
-    # Views never change after creation, so their region and start partition are cached.
-    __slots__ = ("_buf", "_view", "_dtype", "_indirect", "_columns", "_region", "_start", "_written")
+    # Views never change after creation, so their offset, region and start partition are cached.
+    __slots__ = ("_buf", "_view", "_dtype", "_indirect", "_columns", "_offset", "_region", "_start", "_written")
 
     def __init__(
         self,
@@ -201,6 +201,7 @@ class Tensor:
         self._dtype = buf.dtype if dtype is None else dtype
         self._indirect = indirect  # a DMA gather/scatter (.ap(vector_offset=...), vector_select)
         self._columns = columns  # a compute-engine gather/scatter (.indirect(index))
+        self._offset: int | None = 0 if view is None else None  # see byte_offset()
         self._region: Region | None = None
         self._start: int | None = None
         self._written: np.ndarray | None = None  # the PSUM bookkeeping's view of the same elements
@@ -243,7 +244,14 @@ class Tensor:
     @property
     def offset(self) -> int:
         """Element offset of this view's first element from the start of its allocation."""
-        return (self._view.__array_interface__["data"][0] - self._buf.address) // self._view.itemsize
+        return self.byte_offset() // self._view.itemsize
+
+    def byte_offset(self) -> int:
+        """Bytes from the start of the allocation's storage to this view's first element. Indexing
+        derives it from the parent view's (NumPy's own answer costs more than the arithmetic)."""
+        if self._offset is None:
+            self._offset = self._view.__array_interface__["data"][0] - self._buf.address
+        return self._offset
 
     def get_pattern(self) -> list[list[int]]:
         """This view as an access pattern ``[[step, num], ...]`` (pass it back to ``.ap``)."""
@@ -296,7 +304,7 @@ class Tensor:
             elif self._columns is not None:  # columns known only at run time: the view they are chosen from
                 self._region = self._columns.base.region()
             else:
-                self._region = region_of(self._buf, self._view)
+                self._region = region_of(self._buf, self._view, self.byte_offset())
         return self._region
 
     def __repr__(self) -> str:
@@ -377,7 +385,7 @@ class Tensor:
         if view is None:
             written = self._buf.written
             assert written is not None, "only PSUM tiles keep write bookkeeping"
-            view = self._written = _same_view(written, self._buf, self._view)
+            view = self._written = _same_view(written, self._buf, self._view, self.byte_offset())
         return view
 
     def _scatter(self, values: np.ndarray, instruction: str, psum_writer: int) -> None:
@@ -429,14 +437,19 @@ class Tensor:
 
     def __getitem__(self, key: Any) -> Tensor:
         self._direct("index")
+        index, skipped = self._index(key)
         # The trailing Ellipsis keeps an all-integer index a 0-d *view* (NumPy would return a
         # detached scalar, and writes through it would be lost).
-        return Tensor(self._buf, self._view[self._normalize_key(key) + (Ellipsis,)], self._dtype)
+        view = Tensor(self._buf, self._view[index + (Ellipsis,)], self._dtype)
+        view._offset = self.byte_offset() + skipped
+        return view
 
     def __setitem__(self, key: Any, value: Any) -> None:
         frontend.language()._assign(self[key], value)  # a real instruction: copy or memset
 
-    def _normalize_key(self, key: Any) -> tuple:
+    def _index(self, key: Any) -> tuple[tuple, int]:
+        """The NumPy index of an NKI key (checked), and how many bytes past this view's first element
+        the indexed view's first element lies."""
         if not isinstance(key, tuple):
             key = (key,)
         for at, k in enumerate(key):
@@ -447,20 +460,24 @@ class Tensor:
         if len(key) > self.ndim:
             raise IndexError(f"too many indices for a {self.ndim}-d tensor {list(self.shape)}: {key}")
         out: list[Any] = []
-        shape, on_chip = self._view.shape, self._buf.on_chip
+        shape, strides, on_chip = self._view.shape, self._view.strides, self._buf.on_chip
         free_sliced = False  # whether some free dim takes a slice
+        skipped = 0
         for dim, k in enumerate(key):
             n = shape[dim]
             if isinstance(k, DynSlice):
                 k = k.as_slice()
             if isinstance(k, slice):
-                out.append(_checked_slice(k, n, dim, self))
+                k = _checked_slice(k, n, dim, self)
+                out.append(k)
+                skipped += k.start * strides[dim]
                 free_sliced = free_sliced or dim > 0
             elif isinstance(k, (int, np.integer)):
                 k = int(k)
                 if not -n <= k < n:
                     raise IndexError(f"index {k} out of bounds for dim {dim} of size {n} in {self!r}")
                 k %= n
+                skipped += k * strides[dim]
                 # On-chip tensors keep the partition dim: an integer there selects one partition.
                 out.append(slice(k, k + 1) if (dim == 0 and on_chip) else k)
             elif k is None:
@@ -474,7 +491,7 @@ class Tensor:
                 out[-1] = slice(last, last + 1)
         if on_chip and out and isinstance(out[0], slice) and out[0].step not in (None, 1):
             raise rule("index", repr(self), "the partition dimension cannot be strided", step=out[0].step)
-        return tuple(out)
+        return tuple(out), skipped
 
     # -- views ------------------------------------------------------------------------------
     def reshape(self, *shape: Any) -> Tensor:
@@ -715,8 +732,7 @@ class Tensor:
         ratio = base.itemsize / flat.itemsize
         base_shape = base.shape[:-1] + (int(base.shape[-1] * ratio),) if base.ndim else (flat.size,)
         if offset is None:
-            here = self._view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-            offset = here // flat.itemsize
+            offset = self.byte_offset() // flat.itemsize
         start = int(offset)
         row = int(np.prod(base_shape[indirect_dim + 1 :]))
         if scalar_offset is not None:
@@ -894,11 +910,11 @@ def _resolve_shape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
     return shape
 
 
-def _same_view(target: np.ndarray, buf: Buffer, view: np.ndarray) -> np.ndarray:
-    """Apply ``view``'s offset/strides (taken relative to ``buf``'s storage) to a parallel array ``target``."""
+def _same_view(target: np.ndarray, buf: Buffer, view: np.ndarray, offset: int) -> np.ndarray:
+    """Apply ``view``'s offset (``offset`` bytes into ``buf``'s storage) and strides to a parallel array
+    ``target``."""
     base = buf.data
     scale_from, scale_to = base.itemsize, target.itemsize
-    offset = view.__array_interface__["data"][0] - buf.address
     # A dtype-reinterpreting view only happens on whole rows; map bytes to base elements.
     elem = offset // scale_from
     strides = tuple(s * scale_to // scale_from for s in view.strides)
