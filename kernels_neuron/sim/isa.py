@@ -494,7 +494,8 @@ def nc_matmul(
     if {s_dt, m_dt} == {"float8_e4m3", "float8_e4m3fn"}:
         raise rule(instr, "stationary/moving", "legacy float8_e4m3 and OCP float8_e4m3fn cannot be mixed")
     d_dt = dtypes.name(dst.dtype)
-    double_row = matmul_perf_mode(perf_mode) == matmul_perf_mode.double_row
+    # The default skips the enum conversion: every matmul runs this line.
+    double_row = perf_mode is not matmul_perf_mode.none and matmul_perf_mode(perf_mode) == matmul_perf_mode.double_row
     if is_transpose:
         if d_dt != s_dt:
             raise rule(instr, "dst", "a transpose writes the stationary dtype", dst=d_dt, stationary=s_dt)

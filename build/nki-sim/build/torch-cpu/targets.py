@@ -8,7 +8,7 @@ whether a kernel is legal.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TARGET_ENV_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
 KIB = 1024
@@ -31,9 +31,10 @@ class Target:
     bias_scalar_allowed: bool
     scalar_engine_tensor_copy: bool
 
-    @property
-    def generation(self) -> int:
-        return int(self.nc_version.removeprefix("gen"))
+    generation: int = field(init=False)  # the number in nc_version, asked for on every instruction
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "generation", int(self.nc_version.removeprefix("gen")))
 
 
 TRN1 = Target(

@@ -450,17 +450,17 @@ class Tensor:
     def _index(self, key: Any) -> tuple[tuple, int]:
         """The NumPy index of an NKI key (checked), and how many bytes past this view's first element
         the indexed view's first element lies."""
+        view = self._view
+        shape, strides, on_chip = view.shape, view.strides, self._buf.on_chip
         if not isinstance(key, tuple):
             key = (key,)
         for at, k in enumerate(key):
             if k is Ellipsis:
-                fill = self.ndim - (len(key) - 1)
-                key = key[:at] + (slice(None),) * fill + key[at + 1 :]
+                key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1 :]
                 break
-        if len(key) > self.ndim:
-            raise IndexError(f"too many indices for a {self.ndim}-d tensor {list(self.shape)}: {key}")
+        if len(key) > len(shape):
+            raise IndexError(f"too many indices for a {len(shape)}-d tensor {list(shape)}: {key}")
         out: list[Any] = []
-        shape, strides, on_chip = self._view.shape, self._view.strides, self._buf.on_chip
         free_sliced = False  # whether some free dim takes a slice
         skipped = 0
         for dim, k in enumerate(key):
@@ -471,7 +471,8 @@ class Tensor:
                 k = _checked_slice(k, n, dim, self)
                 out.append(k)
                 skipped += k.start * strides[dim]
-                free_sliced = free_sliced or dim > 0
+                if dim:
+                    free_sliced = True
             elif isinstance(k, (int, np.integer)):
                 k = int(k)
                 if not -n <= k < n:
