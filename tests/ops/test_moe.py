@@ -2,7 +2,10 @@
 bf16 error), ragged groups (an expert with no token, one with a single token, groups over several
 blocks and token tiles), sizes off multiples of 128, gradients (non-zero, then compared; top-1, 2 and 4,
 experts over several backward blocks, masked choices), the block layout, the kernels' multi-part paths
-and skipped experts, the torch.library contract, torch.compile, and bad input."""
+and skipped experts, the forward's matmuls over runs of 4, 2 and 1 token tiles (each run computed, up to
+512 moving columns), the torch.library contract, torch.compile, and bad input."""
+
+from collections import Counter
 
 import pytest
 import torch
@@ -167,7 +170,7 @@ def test_routing_layout_places_every_choice_once_in_its_experts_blocks():
     index, weights = _routing(tokens, experts, top_k, torch.Generator().manual_seed(5))
     layout = routing_layout(index, weights, experts, 130, 260, torch.float32)
     tile, block, num_blocks = moe_kernels.routing_shape(tokens, top_k, experts, 130, 260, "float32")
-    assert layout.block_info.shape == (num_blocks, 5) and layout.slot_token.shape == (num_blocks * block, 1)
+    assert layout.block_info.shape == (num_blocks, 7) and layout.slot_token.shape == (num_blocks * block, 1)
     rows = layout.slot_row[:, 0]
     used = rows < tokens * top_k
     assert sorted(rows[used].tolist()) == list(range(tokens * top_k))  # every choice once
@@ -178,9 +181,11 @@ def test_routing_layout_places_every_choice_once_in_its_experts_blocks():
     assert torch.all(layout.slot_token[~used] == tokens) and torch.all(layout.slot_weight[~used] == 0)
     # used tiles cover exactly the block's choices, rounded up to whole token tiles
     seen = set()
-    for b, (expert, tiles_used, flag, starts, continues) in enumerate(layout.block_info.tolist()):
+    for b, (expert, tiles_used, flag, starts, continues, fours_end, twos_end) in enumerate(layout.block_info.tolist()):
         in_block = int(used[b * block : (b + 1) * block].sum())
         assert flag == (in_block > 0) and tiles_used == -(-in_block // tile)
+        # the forward's runs: of 4 token tiles up to fours_end, then at most one of 2 and one of 1
+        assert fours_end % 4 == 0 and twos_end - fours_end in (0, 2) and tiles_used - twos_end in (0, 1)
         # the backward's flags: an expert's first block starts its weight gradients, a later one continues
         assert (starts, continues) == ((0, 0) if not flag else (int(expert not in seen), int(expert in seen)))
         seen.add(expert)
@@ -223,6 +228,56 @@ def test_multi_part_forward(monkeypatch):
     monkeypatch.setattr(moe_kernels, "part_tiles", lambda *args: 1)
     args = _inputs((140, 96, 300, 4, 2), torch.float32)
     torch.testing.assert_close(moe_experts(*args, "silu"), moe_experts_reference(*args, "silu"), rtol=1e-5, atol=1e-5)
+
+
+def _top1_inputs(counts, hidden, inter, seed=7):
+    """fp32 inputs with top-1 routing that gives expert e exactly counts[e] tokens (in shuffled order)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, experts = sum(counts), len(counts)
+    order = torch.randperm(tokens, generator=gen)
+    index = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))[order][:, None]
+    weights = torch.rand(tokens, 1, generator=gen) + 0.5
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w_down = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    return x, index, weights, w_gate_up, w_down
+
+
+# Expert 0's used token tiles in its one block (and the runs of 4, 2 and 1 tiles the forward's matmuls take
+# them in): exactly 4 (one run of 4), 5 (4 + 1), 6 (4 + 2), 7 (4 + 2 + 1), exactly 8 (4 + 4); the other
+# expert gets one partial tile (a run of 1).
+WIDE_RUN_TILES = [4, 5, 6, 7, 8]
+
+
+def _expert_counts(used_tiles):
+    """Token counts that give expert 0 ``used_tiles`` token tiles, the last partial unless 4 or 8 (full)."""
+    return [128 * used_tiles - (0 if used_tiles % 4 == 0 else 27), 30]
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize("used_tiles", WIDE_RUN_TILES)
+def test_forward_takes_a_blocks_token_tiles_in_runs_of_4_2_and_1(monkeypatch, used_tiles, parts):
+    """Every run of a block's used token tiles is computed (the wide runs and the remainder's), in one part
+    (y^T evicted from PSUM) and in three (the first part's sums stored, the later ones' added)."""
+    if parts > 1:
+        monkeypatch.setattr(moe_kernels, "part_tiles", lambda *args: 1)
+    counts = _expert_counts(used_tiles)
+    args = _top1_inputs(counts, 64, 300)
+    layout = routing_layout(args[1], args[2], 2, 64, 300, torch.float32)
+    assert layout.block_info[0, :3].tolist() == [0, used_tiles, 1]  # one block of expert 0, as intended
+    torch.testing.assert_close(moe_experts(*args, "silu"), moe_experts_reference(*args, "silu"), rtol=1e-5, atol=1e-5)
+
+
+def test_forward_matmuls_move_up_to_512_token_columns():
+    """The projections' matmuls take a block's used token tiles in runs of 4, 2 and 1 (512, 256 and 128
+    moving columns): one hidden tile, one intermediate tile, so each run is one gate, one up and one
+    down matmul; expert 0's 7 tiles are three runs, expert 1's one tile one."""
+    args = _top1_inputs(_expert_counts(7), 64, 96)
+    with sim.capture() as traces:
+        moe_experts(*args, "silu")
+    (trace,) = traces
+    moving = Counter(i.attrs["N"] for i in trace.instructions if i.op == "nc_matmul")
+    assert moving == {512: 3, 256: 3, 128: 3 + 3}
 
 
 def test_a_masked_choice_adds_nothing():

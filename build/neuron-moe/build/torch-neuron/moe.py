@@ -52,8 +52,10 @@ _OP = "moe_experts"
 
 class RoutingLayout(NamedTuple):
     """The kernels' block layout of one routing (``nki_src/moe.py``): per block slot (expert, used token
-    tiles, used, starts: the expert's first block, continues: a later one), and per slot the token, the choice (t*k + j) and the routing weight; padding slots
-    point past the end (token T, choice T*k) and weigh 0. ``counts[e]`` is expert e's number of choices."""
+    tiles, used, starts: the expert's first block, continues: a later one, and where the forward's runs
+    of 4 and of 2 token tiles end: ``run_ends``), and per slot the token, the choice (t*k + j) and the
+    routing weight; padding slots point past the end (token T, choice T*k) and weigh 0. ``counts[e]`` is
+    expert e's number of choices."""
 
     block_info: torch.Tensor
     slot_token: torch.Tensor
@@ -111,12 +113,15 @@ def routing_layout(
         counts[block_expert] - (torch.arange(used, device=device) - first_block[block_expert]) * block, max=block
     )
     block_info = torch.zeros((num_blocks, _kernels.BLOCK_FIELDS), dtype=torch.int32, device=device)
+    used_tiles = (in_block + tile - 1) // tile
     block_info[:used, 0] = block_expert.to(torch.int32)
-    block_info[:used, 1] = ((in_block + tile - 1) // tile).to(torch.int32)
+    block_info[:used, 1] = used_tiles.to(torch.int32)
     block_info[:used, 2] = 1
     starts = torch.arange(used, device=device) == first_block[block_expert]
     block_info[:used, 3] = starts.to(torch.int32)
     block_info[:used, 4] = (~starts).to(torch.int32)
+    for field, end in zip(_kernels.RUN_END_FIELDS, _kernels.run_ends(used_tiles)):
+        block_info[:used, field] = end.to(torch.int32)
     return RoutingLayout(block_info, slot_token[:, None], slot_row[:, None], slot_weight[:, None], counts)
 
 

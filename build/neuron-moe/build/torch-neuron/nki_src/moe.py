@@ -25,7 +25,10 @@ How ragged groups are handled: a block layout
       - ``block_info[b] = (expert, used token tiles, used, ...)``, read into engine registers: a block with
         ``used = 0`` runs nothing (a dynamic loop of zero trips), so experts with no token read none of
         their weights; the expert register offsets the weight reads (``.ap(scalar_offset=...)``); the
-        token tiles of a block are a dynamic loop;
+        token tiles of a block are dynamic loops: one tile at a time for the gathers, transposes and
+        scatters, and for the projections' matmuls in runs of 4, 2 and 1 tiles (RUN_TILES), each width
+        a dynamic loop between two more columns of ``block_info``, where the runs of 4 and of 2 end
+        (:func:`run_ends`: the used tiles rounded down to a multiple of 4, of 2);
       - ``slot_token`` (a padding slot: T, out of bounds) gathers x's rows per token tile, and
         ``slot_row`` (padding: T*k) scatters the weighted output rows, with indirect DMAs
         (``vector_offset``) that skip out-of-bounds rows; ``slot_weight`` is the routing weight.
@@ -36,10 +39,17 @@ Tiling plan (per used block, :func:`block_plan` and :func:`part_tiles`)
     The block's x^T [H on partitions, block tokens] stays in SBUF (gathered rows, transposed on
     TensorE). The expert's intermediate is produced in parts, as in the dense kernel
     (``nki_src/mlp.py``): per intermediate tile, the expert's gate and up rows are read in 8 KiB
-    rows and transposed once, g^T and u^T accumulate over H in PSUM per token tile, ScalarE applies
-    the activation and VectorE multiplies into a^T; per hidden tile, the expert's down rows for the
-    part are read and transposed once and y^T accumulates over the part's tiles. Partial sums over
-    parts go through a kernel-private fp32 HBM buffer, a whole hidden tile ([128, block]) per transfer.
+    rows and transposed once, g^T and u^T accumulate over H in PSUM per run of token tiles (up to 4
+    tiles, 512 moving columns as in the dense kernel: a [128, 512] fp32 accumulator fills one of the
+    eight PSUM banks), ScalarE applies the activation and VectorE multiplies into a^T, a run per
+    instruction (the activation's [128, <=512] fp32 temporary, 2 KiB a partition, is among the small
+    tiles SBUF_RESERVE keeps room for, as in the dense kernel); per hidden tile, the expert's down rows
+    for the part are read and transposed once and y^T accumulates over the part's tiles, a PSUM bank
+    per run. A block of n used token tiles so issues n // 4 + (n // 2) % 2 + n % 2 matmuls per weight
+    tile and contraction tile instead of n. PSUM holds a bank each for gate, up, the down projection's
+    sums and each transpose group (weights, x's rows, y^T back): fewer than its eight banks even with
+    a block's gather, projections and scatter all in flight. Partial sums over parts go through a
+    kernel-private fp32 HBM buffer, a whole hidden tile ([128, block]) per transfer.
     The weight tiles stream in use order (:class:`_WeightStream`): each read two tiles ahead (DMA queues
     run in order, so a read issued after a tile's stores would wait for them) and transposed one tile
     ahead (its PSUM evictions overlap the matmuls of the tile before). The last part writes the finished y^T (input
@@ -128,9 +138,17 @@ from .mlp import (  # noqa: F401  (ACTIVATIONS, DTYPES, MAX_HIDDEN*, max_hidden:
 TOKEN_TILE = 128  # slots per token tile: one gather of rows onto partitions, one transpose
 MAX_BLOCK_TOKENS = 1024  # slots of one block, whose x^T stays in SBUF while the expert's weights stream past
 PLAN_SBUF_BYTES = 192 * 1024  # the block layout is planned for Trn1's SBUF, the smallest target's
-# block_info columns: expert, used token tiles, used (0 or 1), and for the backward, which accumulates an
-# expert's weight gradients over its blocks: starts (1: the expert's first block), continues (1: a later one)
-BLOCK_FIELDS = 5
+MOVING_COLUMNS = PSUM_BANK_BYTES // 4  # moving free size of one matmul: a PSUM bank of fp32
+# Token tiles per matmul of the forward's projections, widest first: a block's used token tiles go in runs
+# of 4 (MOVING_COLUMNS), then at most one run of 2 and one of 1 (the count's binary digits), so a block of
+# n used tiles issues at most n // 4 + 2 matmuls per weight tile (and ceil(n / 4) when n % 4 is 0, 1 or 2).
+WIDEST_RUN = MOVING_COLUMNS // TOKEN_TILE
+RUN_TILES = tuple(WIDEST_RUN >> s for s in range(WIDEST_RUN.bit_length()))  # (4, 2, 1)
+# block_info columns: expert, used token tiles, used (0 or 1); for the backward, which accumulates an
+# expert's weight gradients over its blocks: starts (1: the expert's first block), continues (1: a later one);
+# then for the forward, where the runs of each width but the last end (:func:`run_ends`, in token tiles)
+RUN_END_FIELDS = tuple(range(5, 5 + len(RUN_TILES) - 1))
+BLOCK_FIELDS = 5 + len(RUN_END_FIELDS)
 # Weight tiles whose reads are issued ahead of the tile in use: DMA queues run in order, so a read issued
 # after a tile's stores (partial sums, scattered rows) would wait for them and stall TensorE.
 PREFETCH = 2
@@ -223,6 +241,13 @@ def routing_shape(tokens, top_k, experts, hidden, inter, dtype, plan=block_plan)
     return tile, block, min(choices, (choices + experts * (block - 1)) // block)
 
 
+def run_ends(used_tiles):
+    """Where a block's runs of each width of RUN_TILES but the last (1) end, in token tiles: ``used_tiles``
+    rounded down to a multiple of the width (ints, or integer tensors elementwise). The runs of a width
+    start where the wider ones end, and the runs of one tile end at ``used_tiles``."""
+    return [used_tiles // width * width for width in RUN_TILES[:-1]]
+
+
 def expert_rows(weight, expert, r0, rows, c0, cols):
     """weight[expert, r0 : r0 + rows, c0 : c0 + cols] of an [E, R, C] weight, the expert a register: an
     access pattern whose start moves by whole experts (``scalar_offset``)."""
@@ -250,11 +275,13 @@ def check_tables(kernel, routing, layout, block_info, slot_token, slot_row, slot
 
 
 class _Block(nl.NKIObject):
-    """One used block's buffers and runtime values: its expert and token-tile count (registers),
-    its slots' offset in the slot tables, x^T (then y^T), a^T of the current part."""
+    """One used block's buffers and runtime values: its expert and token-tile count (registers), its
+    runs of token tiles for the projections ((tiles per run, first tile, end tile), the bounds registers
+    or 0), its slots' offset in the slot tables, x^T (then y^T), a^T of the current part."""
 
-    def __init__(self, expert, used_tiles, slot0, x_t, act_t):
-        self.expert, self.used_tiles, self.slot0, self.x_t, self.act_t = expert, used_tiles, slot0, x_t, act_t
+    def __init__(self, expert, used_tiles, runs, slot0, x_t, act_t):
+        self.expert, self.used_tiles, self.runs, self.slot0 = expert, used_tiles, runs, slot0
+        self.x_t, self.act_t = x_t, act_t
 
 
 class _WeightStream(nl.NKIObject):
@@ -292,6 +319,15 @@ class _WeightStream(nl.NKIObject):
         current = self.ready
         self.ready = self._transpose_next() if self.transposed < len(self.specs) else None
         return current
+
+
+def _load_fields(info, fields):
+    """Registers holding the block_info columns ``fields`` of the block row in ``info`` (SBUF [1, BLOCK_FIELDS])."""
+    registers = []
+    for field in fields:
+        registers.append(nisa.register_alloc())
+        nisa.register_load(registers[-1], info[0:1, field : field + 1])
+    return registers
 
 
 def _slot_column(table, start, tile, dtype):
@@ -340,23 +376,25 @@ class _Experts(nl.NKIObject):
             _transpose_rows_into(blk.x_t[:, :, nl.ds(j * tile, tile)], rows, tile, hidden, self.dtype, self.evictions)
 
     def gate_up(self, blk, part, stream):
-        """a^T = act(g^T) * u^T for the part's intermediate tiles, token tile by token tile."""
+        """a^T = act(g^T) * u^T for the part's intermediate tiles, a run of token tiles per matmul."""
         h_tiles = list(tiles(self.hidden, P))
         tile = self.tile
         for j_part, (_, isz) in enumerate(part):
             wg_t = stream.take()
             wu_t = stream.take()
-            for j in nl.dynamic_range(blk.used_tiles):
-                columns = nl.ds(j * tile, tile)
-                gate = nl.ndarray((isz, tile), nl.float32, buffer=nl.psum)
-                up = nl.ndarray((isz, tile), nl.float32, buffer=nl.psum)
-                for k, (_, hsz) in enumerate(h_tiles):
-                    nisa.nc_matmul(dst=gate, stationary=wg_t[:hsz, k, :isz], moving=blk.x_t[:hsz, k, columns])
-                for k, (_, hsz) in enumerate(h_tiles):
-                    nisa.nc_matmul(dst=up, stationary=wu_t[:hsz, k, :isz], moving=blk.x_t[:hsz, k, columns])
-                activated = nl.ndarray((isz, tile), nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=activated, op=_act_op(self.activation), data=gate)
-                nisa.tensor_tensor(dst=blk.act_t[:isz, j_part, columns], data1=activated, data2=up, op=nl.multiply)
+            for run_tiles, first_tile, end_tile in blk.runs:
+                width = run_tiles * tile
+                for j in nl.dynamic_range(first_tile, end_tile, run_tiles):
+                    columns = nl.ds(j * tile, width)
+                    gate = nl.ndarray((isz, width), nl.float32, buffer=nl.psum)
+                    up = nl.ndarray((isz, width), nl.float32, buffer=nl.psum)
+                    for k, (_, hsz) in enumerate(h_tiles):
+                        nisa.nc_matmul(dst=gate, stationary=wg_t[:hsz, k, :isz], moving=blk.x_t[:hsz, k, columns])
+                    for k, (_, hsz) in enumerate(h_tiles):
+                        nisa.nc_matmul(dst=up, stationary=wu_t[:hsz, k, :isz], moving=blk.x_t[:hsz, k, columns])
+                    activated = nl.ndarray((isz, width), nl.float32, buffer=nl.sbuf)
+                    nisa.activation(dst=activated, op=_act_op(self.activation), data=gate)
+                    nisa.tensor_tensor(dst=blk.act_t[:isz, j_part, columns], data1=activated, data2=up, op=nl.multiply)
 
     def down(self, blk, part, stream, first, last):
         """y^T (+)= Wd[:, part] a^T[part] per hidden tile; the last part leaves y^T (input dtype) in x^T's buffer.
@@ -379,18 +417,20 @@ class _Experts(nl.NKIObject):
             if not first and h + 1 < len(h_tiles):
                 upcoming = read_earlier(*h_tiles[h + 1])
             total = None if last else nl.ndarray((hsz, block), nl.float32, buffer=nl.sbuf)
-            for j in nl.dynamic_range(blk.used_tiles):
-                columns = nl.ds(j * tile, tile)
-                acc = nl.ndarray((hsz, tile), nl.float32, buffer=nl.psum)
-                for j_part, (_, isz) in enumerate(part):
-                    nisa.nc_matmul(
-                        dst=acc, stationary=wd_t[:isz, j_part, :hsz], moving=blk.act_t[:isz, j_part, columns]
-                    )
-                target = blk.x_t[:hsz, h, columns] if last else total[:, columns]
-                if first:
-                    self.evictions.evict(target, acc)
-                else:
-                    nisa.tensor_tensor(dst=target, data1=acc, data2=earlier[:, columns], op=nl.add)
+            for run_tiles, first_tile, end_tile in blk.runs:
+                width = run_tiles * tile
+                for j in nl.dynamic_range(first_tile, end_tile, run_tiles):
+                    columns = nl.ds(j * tile, width)
+                    acc = nl.ndarray((hsz, width), nl.float32, buffer=nl.psum)
+                    for j_part, (_, isz) in enumerate(part):
+                        nisa.nc_matmul(
+                            dst=acc, stationary=wd_t[:isz, j_part, :hsz], moving=blk.act_t[:isz, j_part, columns]
+                        )
+                    target = blk.x_t[:hsz, h, columns] if last else total[:, columns]
+                    if first:
+                        self.evictions.evict(target, acc)
+                    else:
+                        nisa.tensor_tensor(dst=target, data1=acc, data2=earlier[:, columns], op=nl.add)
             if not last:
                 nisa.dma_copy(dst=self.partial[h0 : h0 + hsz, :], src=total)
 
@@ -450,8 +490,8 @@ def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight,
     Args:
         x: [T, H] the tokens (each token's row once; the slots index it).
         w_gate_up: [E, 2I, H] each expert's gate rows, then its up rows. w_down: [E, H, I].
-        block_info: int32 [NB, BLOCK_FIELDS] per block slot (expert, used token tiles, used 0/1, and
-            the backward's starts/continues flags, unused here).
+        block_info: int32 [NB, BLOCK_FIELDS] per block slot (expert, used token tiles, used 0/1, the
+            backward's starts/continues flags, unused here, and where the used tiles' runs of 4 and 2 end).
         slot_token: int32 [NB * block, 1] the token of each slot (T for padding).
         slot_row: int32 [NB * block, 1] the choice t*k + j of each slot (T*k for padding).
         slot_weight: float32 [NB * block, 1] the routing weight of each slot (0 for padding).
@@ -462,8 +502,8 @@ def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight,
         returns out [T, H] in x's dtype.
 
     Tiling plan: the module docstring's; per used block (a static loop over NB, each body a dynamic
-    loop of zero or one trip), gather, then per part gate_up and down, then scatter; finally the
-    per-token sum of the k weighted rows.
+    loop of zero or one trip), gather, then per part gate_up and down (their matmuls over runs of up
+    to 4 token tiles), then scatter; finally the per-token sum of the k weighted rows.
 
     Engine plan
         TensorE: x and weight transposes, the projections, y's transposes back. ScalarE: the
@@ -492,12 +532,13 @@ def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight,
     info = nl.ndarray((1, BLOCK_FIELDS), nl.int32, buffer=nl.sbuf)
     for b in range(num_blocks):
         nisa.dma_copy(dst=info, src=block_info[b : b + 1, :])
-        expert, used_tiles, used = nisa.register_alloc(), nisa.register_alloc(), nisa.register_alloc()
-        nisa.register_load(expert, info[0:1, 0:1])
-        nisa.register_load(used_tiles, info[0:1, 1:2])
-        nisa.register_load(used, info[0:1, 2:3])
+        expert, used_tiles, used, *ends = _load_fields(info, (0, 1, 2) + RUN_END_FIELDS)
+        # runs of RUN_TILES token tiles, each width's from where the wider ones end; a width wider than
+        # the block is left out (its runs end at 0, where the next width's start)
+        bounds = [0, *ends, used_tiles]
+        runs = [(width, bounds[n], bounds[n + 1]) for n, width in enumerate(RUN_TILES) if width * tile <= block]
         for _ in nl.dynamic_range(used):
-            blk = _Block(expert, used_tiles, b * block, x_t, act_t)
+            blk = _Block(expert, used_tiles, runs, b * block, x_t, act_t)
             stream = experts_run.weight_stream(blk, parts)
             experts_run.gather(blk)
             for n, part in enumerate(parts):
@@ -513,7 +554,6 @@ def moe_fwd(x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_weight,
 # ---------------------------------------------------------------------------------------------
 # Down-weight row segments whose da products sum in PSUM before one fp32 add into the part's da in SBUF
 DOWN_GROUP = 4
-MOVING_COLUMNS = PSUM_BANK_BYTES // 4  # moving free size of one matmul: a PSUM bank of fp32
 DOWN_PREFETCH = 2  # down-weight row segments read ahead of the one in use
 
 
@@ -984,10 +1024,7 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
     info = nl.ndarray((1, BLOCK_FIELDS), nl.int32, buffer=nl.sbuf)
     for b in range(num_blocks):
         nisa.dma_copy(dst=info, src=block_info[b : b + 1, :])
-        registers = [nisa.register_alloc() for _ in range(BLOCK_FIELDS)]
-        for field, register in enumerate(registers):
-            nisa.register_load(register, info[0:1, field : field + 1])
-        expert, used_tiles, used, starts, continues = registers
+        expert, used_tiles, used, starts, continues = _load_fields(info, range(RUN_END_FIELDS[0]))
         for _ in nl.dynamic_range(used):
             blk = _BackwardBlock(expert, used_tiles, starts, continues, b * block)
             stream = grads.weight_stream(blk, parts)
