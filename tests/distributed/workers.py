@@ -13,6 +13,7 @@ the other.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import socket
@@ -250,6 +251,10 @@ def launch(groups: dict[str, list[str]], out: str, model_dir: str) -> dict[str, 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import kernels_neuron.integration  # noqa: F401
 
+    # Python's advice before fork() without exec(): the ranks' collections then leave the inherited
+    # objects alone (no traversal, no copy-on-write of their pages).
+    gc.collect()
+    gc.freeze()
     failures: dict[str, str | None] = {}
     for world, scenarios in groups.items():
         group_out = Path(out, world)
