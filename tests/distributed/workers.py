@@ -242,7 +242,9 @@ def launch(groups: dict[str, list[str]], out: str, model_dir: str) -> dict[str, 
     rank's results in ``<out>/<world>/<rank>.json``. Returns each group's failure (None: its ranks ran)."""
     import torch.multiprocessing as mp
 
-    # What the scenarios import, imported here once: the forked ranks inherit it.
+    # What the scenarios import, imported here once: the forked ranks inherit it. No collections while
+    # the imports create their lasting objects (see tests/conftest.py).
+    gc.disable()
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
     from torch.distributed import device_mesh, fsdp, tensor  # noqa: F401
@@ -255,6 +257,7 @@ def launch(groups: dict[str, list[str]], out: str, model_dir: str) -> dict[str, 
     # objects alone (no traversal, no copy-on-write of their pages).
     gc.collect()
     gc.freeze()
+    gc.enable()
     failures: dict[str, str | None] = {}
     for world, scenarios in groups.items():
         group_out = Path(out, world)

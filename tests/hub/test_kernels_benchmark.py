@@ -19,8 +19,12 @@ from kernels_neuron.hub import build
 # ``kernels benchmark ./build/<repo> ...`` for each repo of argv[1] ({repo: output file}), as the CLI's
 # console script runs it; prints one JSON line: each run's exit code and the tails of what it printed.
 KERNELS_BENCHMARK_EACH_REPO = textwrap.dedent("""
-    import contextlib, io, json, sys, traceback
+    import contextlib, gc, io, json, sys, traceback
+    gc.disable()  # while the imports create their lasting objects (see tests/conftest.py)
+    import torch
     from kernels.cli import main
+    gc.freeze()
+    gc.enable()
 
     runs = {}
     for repo, output in json.loads(sys.argv[1]).items():
