@@ -4,6 +4,7 @@ kernelizes, and refuses to rewrite its read-only build/. Building the wheel leav
 build/ as it was."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -88,7 +89,11 @@ def test_installed_from_the_wheel_list_install_demo_and_kernelize_work(wheel, tm
                            "swapped": len(report.swapped), "demo": "demo passed" in out.getvalue(),
                            "read_only": "read-only" in out.getvalue()}}))
     """)
-    done = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    # PYTHONPATH (a checkout on it, as while working in a worktree) would shadow the installed package
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(python), "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(result["file"]).is_relative_to(environment) and result["checkout"] is False

@@ -2,16 +2,21 @@
 DDP, FSDP2, tensor parallelism (torch's ``parallelize_module`` and transformers' own plan) and FSDP2 +
 TP on a 2-D mesh, each compared with the same step of the un-kernelized model in one process.
 
-Started by ``torch.multiprocessing.spawn`` with the gloo backend on localhost; each rank writes what
-it measured to ``<out>/<rank>.json`` and the test asserts on it. The scenarios run in one group of
-processes, one after the other, so the imports are paid once.
+``python workers.py '<json>'`` is the launcher: a fresh interpreter that imports what the ranks use
+(torch, transformers, kernels_neuron) once, then starts each group of ranks with
+``torch.multiprocessing`` by forking itself, so no rank pays those imports again and none inherits the
+test process's state. The ranks use the gloo backend on localhost; each writes what it measured to
+``<out>/<rank>.json`` and the test asserts on it. A group's scenarios run in its processes one after
+the other.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
+import socket
 import sys
 import traceback
 from pathlib import Path
@@ -212,8 +217,7 @@ def run(rank: int, world: int, port: int, scenarios: list[str], out: str, model_
     # A rank that fails inside a collective must not leave the others waiting for gloo's 30-minute default.
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from kernels_neuron import sim
+    from kernels_neuron import sim  # the launcher put this checkout first on sys.path
 
     sim.install()
     results = {}
@@ -225,3 +229,52 @@ def run(rank: int, world: int, port: int, scenarios: list[str], out: str, model_
         dist.barrier()
     Path(out, f"{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(groups: dict[str, list[str]], out: str, model_dir: str) -> dict[str, str | None]:
+    """Each group ({world size: scenarios}) on that many forked ranks, one group after the other; each
+    rank's results in ``<out>/<world>/<rank>.json``. Returns each group's failure (None: its ranks ran)."""
+    import torch.multiprocessing as mp
+
+    # What the scenarios import, imported here once: the forked ranks inherit it. No collections while
+    # the imports create their lasting objects (see tests/conftest.py).
+    gc.disable()
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    from torch.distributed import device_mesh, fsdp, tensor  # noqa: F401
+    from torch.distributed.tensor import parallel  # noqa: F401
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import kernels_neuron.integration  # noqa: F401
+
+    # Python's advice before fork() without exec(): the ranks' collections then leave the inherited
+    # objects alone (no traversal, no copy-on-write of their pages).
+    gc.collect()
+    gc.freeze()
+    gc.enable()
+    failures: dict[str, str | None] = {}
+    for world, scenarios in groups.items():
+        group_out = Path(out, world)
+        group_out.mkdir()
+        try:
+            mp.start_processes(
+                run,
+                args=(int(world), _free_port(), scenarios, str(group_out), model_dir),
+                nprocs=int(world),
+                start_method="fork",
+            )
+            failures[world] = None
+        except Exception:  # a rank that raised outside its scenarios, reported to that group's tests
+            failures[world] = traceback.format_exc()
+    return failures
+
+
+if __name__ == "__main__":
+    request = json.loads(sys.argv[1])
+    print(json.dumps(launch(request["groups"], request["out"], request["model_dir"])))

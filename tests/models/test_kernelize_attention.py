@@ -15,15 +15,12 @@ kernels run on the CPU simulator, and each test checks that they did.
 
 import copy
 import json
-import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 import transformers
-from tiny_models import BASE, build_tiny, input_ids
+from tiny_models import BASE, build_tiny, fresh_process_check, input_ids
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
@@ -323,33 +320,13 @@ def test_the_hub_name_is_a_flash_request_and_runs_the_flash_path():
     assert len(calls) == LAYERS and calls[0]["causal"] is True
 
 
-_COMPATIBLE_FLASH = textwrap.dedent("""
-    import json, sys, torch, transformers
-    config = transformers.GptOssConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                       intermediate_size=256, num_hidden_layers=2, vocab_size=128,
-                                       num_local_experts=4, num_experts_per_tok=2)
-    model = transformers.GptOssForCausalLM(config)
-    try:
-        model.set_attn_implementation(sys.argv[1])
-        result = {"implementation": model.config._attn_implementation}
-    except Exception as exc:
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    print(json.dumps(result))
-""")
-
-
 @pytest.mark.slow
-def test_a_model_with_its_own_flash_kernels_replaces_the_hub_name(tmp_path):
+def test_a_model_with_its_own_flash_kernels_replaces_the_hub_name(fresh_process):
     """The pitfall of the mandated name: a model that lists ``_compatible_flash_implementations``
     (GPT-OSS, ...) swaps any other "…flash…" string for its own kernel (offline: a load error naming that
-    kernel, not ours). kernelize's name has no "flash" and is left alone (see the sinks test above)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KERNELS_"))}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPATIBLE_FLASH, HUB], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    kernel, not ours). kernelize's name has no "flash" and is left alone (see the sinks test above).
+    In a fresh process (conftest.py's, fresh_process.compatible_flash): it would try to download."""
+    result = fresh_process_check(fresh_process, "compatible_flash")
     compatible = transformers.GptOssForCausalLM._compatible_flash_implementations
     assert HUB not in compatible
     assert result.get("implementation") != HUB

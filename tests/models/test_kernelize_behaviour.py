@@ -2,13 +2,8 @@
 torch.compile, transformers' own ``use_kernels=True`` route, and logging hygiene."""
 
 import copy
-import json
 import logging
-import os
 import re
-import subprocess
-import sys
-import textwrap
 import types
 
 import kernels
@@ -23,6 +18,7 @@ from tiny_models import (
     assert_runs_kernel_layer,
     build_tiny,
     forward_of,
+    fresh_process_check,
     input_ids,
     logits,
     norm_modules,
@@ -196,65 +192,13 @@ def test_use_kernels_true_picks_up_the_registered_mapping(tmp_path):
     assert_logits_match(model, plain, input_ids())
 
 
-_USE_KERNELS_IN_A_FRESH_PROCESS = textwrap.dedent("""
-    import dataclasses, json, sys
-    import torch, transformers
-    import kernels_neuron
-    from kernels_neuron import registry
-
-    # The modeling modules must not be imported yet: register_mapping hooks them as they load.
-    before = [m for m in ("olmo2", "llama", "gemma") if f"transformers.models.{m}.modeling_{m}" in sys.modules]
-    # The norm layers only: this checks where their bf16 rounding happens (the MLP's model tests are
-    # in test_kernelize_mlp.py, and its kernel rounds less often than the module it replaces).
-    reg = registry.load()
-    kernels_neuron.register_mapping(reg=dataclasses.replace(
-        reg, layers=tuple(layer for layer in reg.layers if layer.repo == "neuron-rmsnorm")))
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    result = {"imported_before": before}
-    load = transformers.AutoModelForCausalLM.from_pretrained
-    for name, path in json.loads(sys.argv[1]).items():
-        exact, plain = load(path, dtype=torch.float32), load(path, dtype=torch.bfloat16)
-        model = load(path, dtype=torch.bfloat16, use_kernels=True)
-        forwards = sorted({(m.forward.__func__.__qualname__, m.forward.__func__.__module__.split(".")[0])
-                           for m in model.modules() if "RMSNorm" in type(m).__name__})
-        with torch.no_grad():
-            ref, eager, kernel = (m(ids).logits.float() for m in (exact, plain, model))
-        result[name] = {"forwards": forwards, "errors": {"torch": (eager - ref).abs().max().item(),
-                                                         "kernel": (kernel - ref).abs().max().item(),
-                                                         "kernel_vs_torch": (kernel - eager).abs().max().item()}}
-    print(json.dumps(result))
-""")
-
-
 @pytest.mark.slow
-def test_use_kernels_true_maps_each_class_like_kernelize(tmp_path):
+def test_use_kernels_true_maps_each_class_like_kernelize(fresh_process):
     """In a fresh process (hooks and mappings are process-wide): through ``use_kernels=True``, OLMo2
     (tagged "RMSNorm" by transformers, but fp32-multiply numerics) gets RMSNormFP32Multiply, Gemma
     (not tagged) gets GemmaRMSNorm, and a checkpoint-style tiny Llama (hidden 32) gets RMSNorm; bf16
-    logits round like the plain model's."""
-    paths = {}
-    for name, arch, overrides in [
-        ("olmo2", "olmo2", {}),
-        ("gemma", "gemma", {}),
-        (
-            "llama32",
-            "llama",
-            dict(hidden_size=32, head_dim=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
-        ),
-    ]:
-        paths[name] = str(tmp_path / name)
-        build_tiny(arch, **overrides).to(torch.bfloat16).save_pretrained(paths[name])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LOCAL_KERNELS", "KERNELS_CACHE"))}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
-    done = subprocess.run(
-        [sys.executable, "-c", _USE_KERNELS_IN_A_FRESH_PROCESS, json.dumps(paths)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    logits round like the plain model's (conftest.py's fresh process, fresh_process.use_kernels)."""
+    result = fresh_process_check(fresh_process, "use_kernels")
     assert result["imported_before"] == []
     for name, layer in [("olmo2", "RMSNormFP32Multiply"), ("gemma", "GemmaRMSNorm")]:
         [(forward, package)] = result[name]["forwards"]

@@ -198,3 +198,11 @@ def build_moe(arch: str, seed: int = 0, **overrides) -> nn.Module:
             if type(module).__name__.endswith("TopkRouter") and weight is not None:
                 weight.normal_(0, 0.5)  # DeepSeek's router starts at zero: every token would tie
     return model
+
+
+def fresh_process_check(results: dict, check: str) -> dict:
+    """One check's result from conftest.py's ``fresh_process`` fixture; fails with the traceback of a
+    check that raised."""
+    result = results[check]
+    assert "error" not in result, f"{check}: {result['error']}"
+    return result
