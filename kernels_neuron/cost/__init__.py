@@ -109,9 +109,9 @@ def _traffic(instructions: list[Instruction], hw: Hardware) -> tuple[float, int,
 
 
 def _critical_steps(sched: Schedule, instructions: list[Instruction]) -> list[CriticalStep]:
-    slots = sched.slots
+    starts, ends = sched.starts, sched.ends
     steps = []
     for i in sched.critical_path():
-        inst, slot = instructions[i], slots[i]
-        steps.append(CriticalStep(inst.index, inst.engine, inst.op, slot.start / 1e3, slot.end / 1e3))
+        inst = instructions[i]
+        steps.append(CriticalStep(inst.index, inst.engine, inst.op, starts[i] / 1e3, ends[i] / 1e3))
     return steps

@@ -19,8 +19,6 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import cast
 
 from ..sim.trace import Instruction
 from .boxes import BoxIndex
@@ -38,28 +36,35 @@ class Slot:
     waited_on: int | None  # index (within the program) of the instruction it waited for, if any
 
 
-_end = attrgetter("end")
-
-
 @dataclass
 class Schedule:
-    slots: list[Slot] = field(default_factory=list)
+    """Where one program's instructions went, in program order: each one's start and end (ns), its
+    engine and the instruction it waited on; and each engine's busy time."""
+
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+    waited_on: list[int | None] = field(default_factory=list)
     engine_busy_ns: dict[str, float] = field(default_factory=dict)
 
     @property
+    def slots(self) -> list[Slot]:
+        """Each instruction's placement as one record."""
+        return list(map(Slot, self.starts, self.ends, self.engines, self.waited_on))
+
+    @property
     def makespan_ns(self) -> float:
-        return max(map(_end, self.slots), default=0.0)
+        return max(self.ends, default=0.0)
 
     def critical_path(self) -> list[int]:
         """Indices of the chain of instructions that ends last, first to last."""
-        if not self.slots:
+        if not self.ends:
             return []
-        ends = list(map(_end, self.slots))
-        i: int | None = ends.index(max(ends))  # the first of those that end last
+        i: int | None = self.ends.index(max(self.ends))  # the first of those that end last
         path = []
         while i is not None:
             path.append(i)
-            i = self.slots[i].waited_on
+            i = self.waited_on[i]
         return path[::-1]
 
 
@@ -168,6 +173,8 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
     lanes: list[list[int]] = []
     lane_of = [0] * count
     place_in_lane = [0] * count
+    dependents: list[list[int]] = [[] for _ in range(count)]
+    waiting = [0] * count  # how many of its dependencies are not placed yet
     transfers = 0
     for i, engine in enumerate(engines):
         if engine == "dma":
@@ -182,10 +189,6 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
         lane_of[i] = lane
         place_in_lane[i] = len(lanes[lane])
         lanes[lane].append(i)
-
-    dependents: list[list[int]] = [[] for _ in range(count)]
-    waiting = [0] * count
-    for i in range(count):
         for j in deps[i]:
             dependents[j].append(i)
         for j in issue_after[i]:
@@ -197,7 +200,7 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
     lane_last: list[int | None] = [None] * len(lanes)
     starts = [0.0] * count
     ends = [0.0] * count
-    slots: list[Slot | None] = [None] * count
+    waits_on: list[int | None] = [None] * count
     bandwidth = _Bandwidth()
     busy: dict[str, float] = {}
     ready_heap: list[tuple[float, int, int | None]] = []
@@ -232,8 +235,7 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
         else:
             end = start + duration
         busy[engine] = busy.get(engine, 0.0) + duration
-        starts[i], ends[i] = start, end
-        slots[i] = Slot(start, end, engine, waited_on)
+        starts[i], ends[i], waits_on[i] = start, end, waited_on
         placed += 1
         lane = lane_of[i]
         lane_end[lane], lane_last[lane] = end, i
@@ -246,4 +248,4 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
             if not waiting[k] and position[lane_of[k]] == place_in_lane[k]:
                 push(k)
     assert placed == count, "every instruction is placed: dependencies only point to earlier ones"
-    return Schedule(slots=cast("list[Slot]", slots), engine_busy_ns=busy)  # none is left None
+    return Schedule(starts, ends, engines, waits_on, busy)
