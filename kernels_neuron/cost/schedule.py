@@ -172,9 +172,6 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
     lane_ids: dict[str | int, int] = {}
     lanes: list[list[int]] = []
     lane_of = [0] * count
-    place_in_lane = [0] * count
-    dependents: list[list[int]] = [[] for _ in range(count)]
-    waiting = [0] * count  # how many of its dependencies are not placed yet
     transfers = 0
     for i, engine in enumerate(engines):
         if engine == "dma":
@@ -187,43 +184,52 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
             lane = lane_ids[key] = len(lanes)
             lanes.append([])
         lane_of[i] = lane
-        place_in_lane[i] = len(lanes[lane])
         lanes[lane].append(i)
-        for j in deps[i]:
-            dependents[j].append(i)
-        for j in issue_after[i]:
-            dependents[j].append(i)
-        waiting[i] = len(deps[i]) + len(issue_after[i])
 
     position = [0] * len(lanes)  # how many of each lane's instructions are placed
     lane_end = [0.0] * len(lanes)  # when each lane is free, and who it waits for until then
     lane_last: list[int | None] = [None] * len(lanes)
+    placed = [False] * count
     starts = [0.0] * count
     ends = [0.0] * count
     waits_on: list[int | None] = [None] * count
+    # Instructions that head their lane but wait for this one to be placed (each waits for one at a time).
+    watchers: list[list[int] | None] = [None] * count
     bandwidth = _Bandwidth()
     busy: dict[str, float] = {}
     ready_heap: list[tuple[float, int, int | None]] = []
     sync_ns, dma_latency_ns = hw.cross_engine_sync_ns, hw.dma_latency_ns
 
-    def push(i: int) -> None:
-        # Pushed only once its dependencies are placed and it heads its lane, so its start is final.
+    def offer(i: int) -> None:
+        """``i`` heads its lane: once every instruction it depends on is placed its start is final, and it
+        goes on the heap; until then it waits for the first one that is not."""
         lane = lane_of[i]
         start, waited_on = lane_end[lane], lane_last[lane]
         engine = engines[i]
         for j in deps[i]:
+            if not placed[j]:
+                break
             finish = ends[j] + (sync_ns if engines[j] != engine else 0.0)
             if finish > start:
                 start, waited_on = finish, j
-        for j in issue_after[i]:
-            if starts[j] > start:
-                start, waited_on = starts[j], j
-        heapq.heappush(ready_heap, (start, i, waited_on))
+        else:
+            for j in issue_after[i]:
+                if not placed[j]:
+                    break
+                if starts[j] > start:
+                    start, waited_on = starts[j], j
+            else:
+                heapq.heappush(ready_heap, (start, i, waited_on))
+                return
+        waiting = watchers[j]
+        if waiting is None:
+            watchers[j] = [i]
+        else:
+            waiting.append(i)
 
     for members in lanes:
-        if not waiting[members[0]]:
-            push(members[0])
-    placed = 0
+        offer(members[0])
+    count_placed = 0
     while ready_heap:
         start, i, waited_on = heapq.heappop(ready_heap)
         engine = engines[i]
@@ -236,16 +242,18 @@ def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
             end = start + duration
         busy[engine] = busy.get(engine, 0.0) + duration
         starts[i], ends[i], waits_on[i] = start, end, waited_on
-        placed += 1
+        placed[i] = True
+        count_placed += 1
         lane = lane_of[i]
         lane_end[lane], lane_last[lane] = end, i
         position[lane] += 1
         members = lanes[lane]
-        if position[lane] < len(members) and not waiting[members[position[lane]]]:
-            push(members[position[lane]])
-        for k in dependents[i]:
-            waiting[k] -= 1
-            if not waiting[k] and position[lane_of[k]] == place_in_lane[k]:
-                push(k)
-    assert placed == count, "every instruction is placed: dependencies only point to earlier ones"
+        if position[lane] < len(members):
+            offer(members[position[lane]])
+        waiting = watchers[i]
+        if waiting is not None:
+            watchers[i] = None
+            for k in waiting:
+                offer(k)
+    assert count_placed == count, "every instruction is placed: dependencies only point to earlier ones"
     return Schedule(starts, ends, engines, waits_on, busy)
