@@ -55,23 +55,22 @@ def estimate_trace(trace: Trace, target: str | None = None, flops: int | None = 
     if not programs:
         programs[(0, (0,))] = []
     schedules = {p: schedule(insts, hw) for p, insts in programs.items()}
-    slowest = max(schedules, key=lambda p: schedules[p].makespan_ns)
+    makespans = {p: s.makespan_ns for p, s in schedules.items()}
+    slowest = max(makespans, key=makespans.__getitem__)
     cores = len(programs)
-    time_ns = schedules[slowest].makespan_ns
-    flops = trace.flops if flops is None else flops
-    compute_ns = max(_compute_bound_ns(insts, hw) for insts in programs.values())
-    memory_ns = (
-        max(sum(i.hbm_bytes_read + i.hbm_bytes_written for i in insts) for insts in programs.values())
-        / hw.hbm_bytes_per_s
-        * 1e9
-    )
+    time_ns = makespans[slowest]
+    traffic = {p: _traffic(insts, hw) for p, insts in programs.items()}
+    if flops is None:
+        flops = sum(program_flops for _, _, program_flops in traffic.values())
+    compute_ns = max(compute for compute, _, _ in traffic.values())
+    memory_ns = max(hbm_bytes for _, hbm_bytes, _ in traffic.values()) / hw.hbm_bytes_per_s * 1e9
     busy: dict[str, float] = defaultdict(float)
     for s in schedules.values():
         for engine, ns in s.engine_busy_ns.items():
             busy[engine] += ns / 1e3 / cores
     seconds = time_ns / 1e9
     tflops = flops / seconds / 1e12 if seconds else 0.0
-    hbm = trace.hbm_bytes
+    hbm = sum(hbm_bytes for _, hbm_bytes, _ in traffic.values())
     hbm_gbps = hbm / seconds / 1e9 if seconds else 0.0
     return CostReport(
         target=hw.name,
@@ -94,23 +93,25 @@ def estimate_trace(trace: Trace, target: str | None = None, flops: int | None = 
     )
 
 
-def _compute_bound_ns(instructions: list[Instruction], hw: Hardware) -> float:
-    """TensorE time at peak rate for each matmul's dtype (fp32 at 1/4 rate, fp8 double-row at 2x)."""
-    total = 0.0
+def _traffic(instructions: list[Instruction], hw: Hardware) -> tuple[float, int, int]:
+    """One program's compute bound in ns (TensorE time at peak rate for each matmul's dtype: fp32 at
+    1/4 rate, fp8 double-row at 2x), its HBM bytes read and written, and its TensorE FLOPs."""
+    peak = hw.tensor_peak_flops
+    compute = 0.0
+    hbm_bytes = flops = 0
     for inst in instructions:
-        if inst.flops and inst.engine == "tensor":
-            total += inst.flops * matmul_slowdown(inst.attrs) / hw.tensor_peak_flops
-    return total * 1e9
+        hbm_bytes += inst.hbm_bytes_read + inst.hbm_bytes_written
+        if inst.flops:
+            flops += inst.flops
+            if inst.engine == "tensor":
+                compute += inst.flops * matmul_slowdown(inst.attrs) / peak
+    return compute * 1e9, hbm_bytes, flops
 
 
 def _critical_steps(sched: Schedule, instructions: list[Instruction]) -> list[CriticalStep]:
-    return [
-        CriticalStep(
-            instructions[i].index,
-            instructions[i].engine,
-            instructions[i].op,
-            sched.slots[i].start / 1e3,
-            sched.slots[i].end / 1e3,
-        )
-        for i in sched.critical_path()
-    ]
+    starts, ends = sched.starts, sched.ends
+    steps = []
+    for i in sched.critical_path():
+        inst = instructions[i]
+        steps.append(CriticalStep(inst.index, inst.engine, inst.op, starts[i] / 1e3, ends[i] / 1e3))
+    return steps

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..sim.trace import Instruction, Region
+from ..sim.trace import Instruction
+from .boxes import BoxIndex
 from .hardware import Hardware
 from .timing import dma_transfer_ns, engine_ns
 
@@ -38,22 +38,33 @@ class Slot:
 
 @dataclass
 class Schedule:
-    slots: list[Slot] = field(default_factory=list)
+    """Where one program's instructions went, in program order: each one's start and end (ns), its
+    engine and the instruction it waited on; and each engine's busy time."""
+
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+    waited_on: list[int | None] = field(default_factory=list)
     engine_busy_ns: dict[str, float] = field(default_factory=dict)
 
     @property
+    def slots(self) -> list[Slot]:
+        """Each instruction's placement as one record."""
+        return list(map(Slot, self.starts, self.ends, self.engines, self.waited_on))
+
+    @property
     def makespan_ns(self) -> float:
-        return max((s.end for s in self.slots), default=0.0)
+        return max(self.ends, default=0.0)
 
     def critical_path(self) -> list[int]:
         """Indices of the chain of instructions that ends last, first to last."""
-        if not self.slots:
+        if not self.ends:
             return []
-        i: int | None = max(range(len(self.slots)), key=lambda k: self.slots[k].end)
+        i: int | None = self.ends.index(max(self.ends))  # the first of those that end last
         path = []
         while i is not None:
             path.append(i)
-            i = self.slots[i].waited_on
+            i = self.waited_on[i]
         return path[::-1]
 
 
@@ -61,43 +72,34 @@ class _Memory:
     """Who last wrote and read each region (program order), pruned as newer writes cover older entries."""
 
     def __init__(self) -> None:
-        self.writes: dict[int, list[tuple[Region, int]]] = {}
-        self.reads: dict[int, dict[Region, int]] = {}
+        self.accesses: dict[int, tuple[BoxIndex, BoxIndex]] = {}  # per buffer: its writes, its reads
 
-    def depends(self, inst: Instruction) -> set[int]:
-        """Earlier instructions ``inst`` must wait for."""
+    def access(self, inst: Instruction, idx: int) -> set[int]:
+        """Record ``inst``'s accesses and return the earlier instructions it must wait for, added in the
+        order its accesses are listed."""
         deps: set[int] = set()
+        accesses = self.accesses
         for region in inst.reads:
-            _add_overlapping(deps, region, self.writes.get(region.buffer_id, ()))
+            known = accesses.get(region[0])
+            if known is not None:
+                known[0].add_overlapping(deps, region)
         for region in inst.writes:
-            _add_overlapping(deps, region, self.writes.get(region.buffer_id, ()))
-            _add_overlapping(deps, region, self.reads.get(region.buffer_id, {}).items())
+            known = accesses.get(region[0])
+            if known is not None:
+                known[0].add_overlapping(deps, region)
+                known[1].add_overlapping(deps, region)
+        for region in inst.reads:
+            known = accesses.get(region[0])
+            if known is None:
+                known = accesses[region[0]] = (BoxIndex(), BoxIndex())
+            known[1].put(region, idx)
+        for region in inst.writes:
+            known = accesses.get(region[0])
+            if known is None:
+                known = accesses[region[0]] = (BoxIndex(), BoxIndex())
+            known[0].put_over(region, idx)
+            known[1].discard_inside(region)
         return deps
-
-    def record(self, inst: Instruction, idx: int) -> None:
-        for region in inst.reads:
-            self.reads.setdefault(region.buffer_id, {})[region] = idx
-        for region in inst.writes:
-            kept = [e for e in self.writes.get(region.buffer_id, ()) if not _inside(e[0], region)]
-            kept.append((region, idx))
-            self.writes[region.buffer_id] = kept
-            reads = self.reads.get(region.buffer_id)
-            if reads:
-                for other in [r for r in reads if _inside(r, region)]:
-                    del reads[other]
-
-
-def _add_overlapping(deps: set[int], region: Region, entries: Iterable[tuple[Region, int]]) -> None:
-    """Add the index of every entry whose region overlaps ``region`` (``Region.overlaps`` spelt out:
-    this loop is most of the scheduler's time)."""
-    _, p0, p1, b0, b1 = region
-    for (_, q0, q1, c0, c1), idx in entries:
-        if p0 < q1 and q0 < p1 and b0 < c1 and c0 < b1:
-            deps.add(idx)
-
-
-def _inside(inner: Region, outer: Region) -> bool:
-    return outer.p0 <= inner.p0 and inner.p1 <= outer.p1 and outer.b0 <= inner.b0 and inner.b1 <= outer.b1
 
 
 class _Bandwidth:
@@ -134,90 +136,124 @@ class _Bandwidth:
         return end, blocker
 
 
+# No ``depends_on`` edges. A set union with it still copies the memory dependencies, as the union
+# with real edges does, so every instruction's set iterates in the same way: that order decides which
+# of two producers that finish at the same moment an instruction is said to have waited on.
+_NO_EDGES: frozenset[int] = frozenset()
+
+
+def _dependencies(instructions: list[Instruction]) -> tuple[list[set[int]], list[set[int] | tuple[()]]]:
+    """Per instruction, the earlier ones it waits for (memory hazards and ``depends_on`` edges), and
+    the earlier ones it only starts no earlier than (``depends_on(kind=schedule)`` edges)."""
+    memory = _Memory()
+    local_index = {inst.index: i for i, inst in enumerate(instructions)}
+    deps: list[set[int]] = []
+    issue_after: list[set[int] | tuple[()]] = []
+    for i, inst in enumerate(instructions):
+        attrs = inst.attrs
+        explicit = attrs.get("depends_on")
+        edges = {local_index[j] for j in explicit if j in local_index} if explicit else _NO_EDGES
+        waits = memory.access(inst, i) | edges
+        deps.append(waits)
+        issued = attrs.get("issued_after")
+        issue_after.append({local_index[j] for j in issued if j in local_index} - waits if issued else ())
+    return deps, issue_after
+
+
 def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
     """Place one program's instructions in time."""
     count = len(instructions)
-    memory = _Memory()
-    deps: list[set[int]] = []
-    local_index = {inst.index: i for i, inst in enumerate(instructions)}
-    issue_after: list[set[int]] = []  # NkiInstruction.depends_on(kind=schedule): start no earlier than these
-    for i, inst in enumerate(instructions):
-        # Memory dependencies, plus the edges a kernel added with NkiInstruction.depends_on.
-        explicit = {local_index[j] for j in inst.attrs.get("depends_on", ()) if j in local_index}
-        deps.append(memory.depends(inst) | explicit)
-        issue_after.append({local_index[j] for j in inst.attrs.get("issued_after", ()) if j in local_index} - deps[i])
-        memory.record(inst, i)
-    dependents: list[list[int]] = [[] for _ in range(count)]
-    for i in range(count):
-        for j in deps[i] | issue_after[i]:
-            dependents[j].append(i)
-    waiting = [len(d) + len(a) for d, a in zip(deps, issue_after)]
+    deps, issue_after = _dependencies(instructions)
+    engines = [inst.engine for inst in instructions]
+    # What each instruction costs: engine time, or for a transfer the time it holds the bandwidth.
+    durations = [dma_transfer_ns(inst, hw) if inst.engine == "dma" else engine_ns(inst, hw) for inst in instructions]
 
-    # Each engine, and each DMA queue, is an in-order lane.
-    lanes: dict[str, list[int]] = {}
-    dma_count = 0
-    for i, inst in enumerate(instructions):
-        lane = f"dma{dma_count % hw.dma_queues}" if inst.engine == "dma" else inst.engine
-        dma_count += inst.engine == "dma"
-        lanes.setdefault(lane, []).append(i)
-    lane_of = {i: lane for lane, members in lanes.items() for i in members}
-    position = {lane: 0 for lane in lanes}
-    lane_free: dict[str, tuple[float, int | None]] = {lane: (0.0, None) for lane in lanes}
-    slots: list[Slot | None] = [None] * count
+    # Each engine, and each DMA queue (transfers go round-robin onto them), is an in-order lane.
+    lane_ids: dict[str | int, int] = {}
+    lanes: list[list[int]] = []
+    lane_of = [0] * count
+    transfers = 0
+    for i, engine in enumerate(engines):
+        if engine == "dma":
+            key: str | int = transfers % hw.dma_queues
+            transfers += 1
+        else:
+            key = engine
+        lane = lane_ids.get(key)
+        if lane is None:
+            lane = lane_ids[key] = len(lanes)
+            lanes.append([])
+        lane_of[i] = lane
+        lanes[lane].append(i)
+
+    position = [0] * len(lanes)  # how many of each lane's instructions are placed
+    lane_end = [0.0] * len(lanes)  # when each lane is free, and who it waits for until then
+    lane_last: list[int | None] = [None] * len(lanes)
+    placed = [False] * count
+    starts = [0.0] * count
+    ends = [0.0] * count
+    waits_on: list[int | None] = [None] * count
+    # Instructions that head their lane but wait for this one to be placed (each waits for one at a time).
+    watchers: list[list[int] | None] = [None] * count
     bandwidth = _Bandwidth()
     busy: dict[str, float] = {}
     ready_heap: list[tuple[float, int, int | None]] = []
+    sync_ns, dma_latency_ns = hw.cross_engine_sync_ns, hw.dma_latency_ns
 
-    def earliest_start(i: int) -> tuple[float, int | None]:
-        inst = instructions[i]
-        start, waited_on = lane_free[lane_of[i]]
+    def offer(i: int) -> None:
+        """``i`` heads its lane: once every instruction it depends on is placed its start is final, and it
+        goes on the heap; until then it waits for the first one that is not."""
+        lane = lane_of[i]
+        start, waited_on = lane_end[lane], lane_last[lane]
+        engine = engines[i]
         for j in deps[i]:
-            slot = slots[j]
-            assert slot is not None  # i is pushed only once every instruction it depends on is placed
-            finish = slot.end + (hw.cross_engine_sync_ns if slot.engine != inst.engine else 0.0)
+            if not placed[j]:
+                break
+            finish = ends[j] + (sync_ns if engines[j] != engine else 0.0)
             if finish > start:
                 start, waited_on = finish, j
-        for j in issue_after[i]:
-            slot = slots[j]
-            assert slot is not None
-            if slot.start > start:
-                start, waited_on = slot.start, j
-        return start, waited_on
+        else:
+            for j in issue_after[i]:
+                if not placed[j]:
+                    break
+                if starts[j] > start:
+                    start, waited_on = starts[j], j
+            else:
+                heapq.heappush(ready_heap, (start, i, waited_on))
+                return
+        waiting = watchers[j]
+        if waiting is None:
+            watchers[j] = [i]
+        else:
+            waiting.append(i)
 
-    def push(i: int) -> None:
-        # Pushed only once its dependencies are placed and it heads its lane, so its start is final.
-        start, waited_on = earliest_start(i)
-        heapq.heappush(ready_heap, (start, i, waited_on))
-
-    def offer(lane: str) -> None:
-        members = lanes[lane]
-        if position[lane] < len(members) and waiting[members[position[lane]]] == 0:
-            push(members[position[lane]])
-
-    for lane in lanes:
-        offer(lane)
+    for members in lanes:
+        offer(members[0])
+    count_placed = 0
     while ready_heap:
         start, i, waited_on = heapq.heappop(ready_heap)
-        inst = instructions[i]
-        if inst.engine == "dma":
-            transfer = dma_transfer_ns(inst, hw)
-            end, blocker = bandwidth.reserve(start + hw.dma_latency_ns, transfer, i)
+        engine = engines[i]
+        duration = durations[i]
+        if engine == "dma":
+            end, blocker = bandwidth.reserve(start + dma_latency_ns, duration, i)
             if blocker is not None:
                 waited_on = blocker
-            busy["dma"] = busy.get("dma", 0.0) + transfer
         else:
-            duration = engine_ns(inst, hw)
             end = start + duration
-            busy[inst.engine] = busy.get(inst.engine, 0.0) + duration
-        slots[i] = Slot(start, end, inst.engine, waited_on)
+        busy[engine] = busy.get(engine, 0.0) + duration
+        starts[i], ends[i], waits_on[i] = start, end, waited_on
+        placed[i] = True
+        count_placed += 1
         lane = lane_of[i]
-        lane_free[lane] = (end, i)
+        lane_end[lane], lane_last[lane] = end, i
         position[lane] += 1
-        offer(lane)
-        for k in dependents[i]:
-            waiting[k] -= 1
-            if waiting[k] == 0 and lanes[lane_of[k]][position[lane_of[k]]] == k:
-                push(k)
-    placed = [s for s in slots if s is not None]
-    assert len(placed) == count, "every instruction is placed: dependencies only point to earlier ones"
-    return Schedule(slots=placed, engine_busy_ns=busy)
+        members = lanes[lane]
+        if position[lane] < len(members):
+            offer(members[position[lane]])
+        waiting = watchers[i]
+        if waiting is not None:
+            watchers[i] = None
+            for k in waiting:
+                offer(k)
+    assert count_placed == count, "every instruction is placed: dependencies only point to earlier ones"
+    return Schedule(starts, ends, engines, waits_on, busy)

@@ -23,9 +23,12 @@ from __future__ import annotations
 from ..sim.trace import Instruction
 from .hardware import Hardware
 
+# The Hardware field that holds each compute engine's clock.
+_CLOCK_FIELD = {"tensor": "tensor_ghz", "vector": "vector_ghz", "scalar": "scalar_ghz", "gpsimd": "gpsimd_ghz"}
+
 
 def _clock_ghz(engine: str, hw: Hardware) -> float:
-    return {"tensor": hw.tensor_ghz, "vector": hw.vector_ghz, "scalar": hw.scalar_ghz, "gpsimd": hw.gpsimd_ghz}[engine]
+    return getattr(hw, _CLOCK_FIELD[engine])
 
 
 # Per-partition scalars ([P, 1] operands, bias, scale) ride along with an instruction; only the
@@ -50,17 +53,18 @@ def matmul_slowdown(attrs: dict) -> float:
 
 def engine_cycles(inst: Instruction, hw: Hardware) -> float:
     """Busy cycles of a compute-engine instruction."""
-    n = max(inst.free_elements, 1)
-    floor = hw.min_instruction_cycles
     op, engine, attrs = inst.op, inst.engine, inst.attrs
     if op == "core_barrier":  # a semaphore update and wait; the time spent waiting for the other core is not modelled
-        return floor
+        return hw.min_instruction_cycles
     if engine == "tensor":
         # An MX matmul streams its x4 columns at the bf16 rate: 4x the multiply-accumulates per cycle.
-        if op in ("nc_matmul", "nc_matmul_mx"):
+        if op == "nc_matmul" or op == "nc_matmul_mx":
             return max(min(64, attrs["M"]), attrs["N"]) * matmul_slowdown(attrs)
         # nc_transpose on TensorE: a pass of the data through the array against an identity.
+        n = max(inst.free_elements, 1)
         return max(attrs.get("K", inst.partitions), min(64, attrs.get("N", n))) * matmul_slowdown(attrs)
+    n = max(inst.free_elements, 1)
+    floor = hw.min_instruction_cycles
     if engine == "scalar":
         if op == "activation":
             return max(floor, n) + (64 if attrs.get("reduce") else 0)
