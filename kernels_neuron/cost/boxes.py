@@ -1,10 +1,10 @@
-"""Boxes of one buffer's memory, each with a value, found by overlap or containment.
+"""Regions of one buffer's memory, each with a value, found by overlap or containment.
 
 The scheduler keeps, per buffer, who last wrote and who last read each region. A buffer written
 tile by tile (an HBM output, a wide SBUF accumulator) collects thousands of regions, and every
 access asks which of them it overlaps, so scanning them all makes the dependency pass quadratic.
-Past a few entries, :class:`BoxIndex` files the boxes by width class (byte widths in
-``[2**(k-1), 2**k)``), each class sorted by first byte: a box of class ``k`` that overlaps
+Past a few dozen regions, :class:`BoxIndex` files them by width class (byte widths in
+``[2**(k-1), 2**k)``), each class sorted by first byte: a region of class ``k`` that overlaps
 ``[b0, b1)`` starts in ``(b0 - 2**k, b1)``, so a query bisects to the few candidates of each class.
 
 Answers come in insertion order, the order the scheduler's dependency sets were built in before this
@@ -18,9 +18,10 @@ from bisect import bisect_left, bisect_right
 
 from ..sim.trace import Region
 
-# Up to this many boxes a buffer's entries are scanned in insertion order; beyond it they are filed
-# by width class. Below it, bisecting costs more than the scan it saves.
-LINEAR_LIMIT = 24
+# Up to this many regions a buffer's are scanned in insertion order; beyond it they are filed by
+# width class. Measured on the bench traces: below a few dozen, bisecting and sorting answers cost
+# more than the scan they save (40 beat 16, 24, 64 and 100).
+LINEAR_LIMIT = 40
 
 
 def _width_class(b0: int, b1: int) -> int:
@@ -32,7 +33,7 @@ class BoxIndex:
     """Regions of one buffer (partitions ``[p0, p1)`` x bytes ``[b0, b1)``), each with an int value,
     kept in insertion order. The regions' buffer ids are not looked at."""
 
-    __slots__ = ("_values", "_classes", "_next_sequence")
+    __slots__ = ("_values", "_classes", "_next_sequence", "_answers")
 
     def __init__(self) -> None:
         # Every region's value, in insertion order (a dict keeps it, through deletions and updates too).
@@ -41,6 +42,9 @@ class BoxIndex:
         # order, each region with its sequence number (the insertion order, to sort answers by).
         self._classes: dict[int, tuple[list[int], list[tuple[Region, int]]]] | None = None
         self._next_sequence = 0
+        # add_overlapping's answers while the filed regions and their values stay as they are: a tile
+        # written once is often read by many instructions in a row (a matmul's stationary operand).
+        self._answers: dict[Region, tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._values)
@@ -52,7 +56,10 @@ class BoxIndex:
             values[region] = value
             if len(values) > LINEAR_LIMIT:
                 self._build_classes()
-        elif region in values:
+            return
+        if self._answers:
+            self._answers.clear()
+        if region in values:
             values[region] = value
         else:
             values[region] = value
@@ -81,13 +88,22 @@ class BoxIndex:
 
     def add_overlapping(self, found: set[int], region: Region) -> None:
         """Add to ``found``, in insertion order, the value of every region that overlaps ``region``."""
-        _, p0, p1, b0, b1 = region
-        values = self._values
         if self._classes is None:
-            for (_, q0, q1, c0, c1), value in values.items():
+            _, p0, p1, b0, b1 = region
+            for (_, q0, q1, c0, c1), value in self._values.items():
                 if p0 < q1 and q0 < p1 and b0 < c1 and c0 < b1:
                     found.add(value)
             return
+        answer = self._answers.get(region)
+        if answer is None:
+            answer = self._answers[region] = self._filed_overlapping(region)
+        for value in answer:
+            found.add(value)
+
+    def _filed_overlapping(self, region: Region) -> tuple[int, ...]:
+        assert self._classes is not None
+        _, p0, p1, b0, b1 = region
+        values = self._values
         hits = []
         for width_class, (starts, members) in self._classes.items():
             if width_class:
@@ -101,8 +117,30 @@ class BoxIndex:
                     hits.append((sequence, values[other]))
         if len(hits) > 1:
             hits.sort()
-        for _, value in hits:
-            found.add(value)
+        return tuple(value for _, value in hits)
+
+    def take_over(self, found: set[int], region: Region) -> None:
+        """``add_overlapping`` then ``discard_inside``, in one pass over the regions while they are few."""
+        if self._classes is not None:
+            for value in self._filed_overlapping(region):
+                found.add(value)
+            self.discard_inside(region)
+            return
+        _, p0, p1, b0, b1 = region
+        values = self._values
+        inside = None
+        for other, value in values.items():
+            _, q0, q1, c0, c1 = other
+            if p0 < q1 and q0 < p1 and b0 < c1 and c0 < b1:
+                found.add(value)
+            if p0 <= q0 and q1 <= p1 and b0 <= c0 and c1 <= b1:
+                if inside is None:
+                    inside = [other]
+                else:
+                    inside.append(other)
+        if inside is not None:
+            for other in inside:
+                del values[other]
 
     def discard_inside(self, region: Region) -> None:
         """Remove every region that lies inside ``region`` (``region`` itself among them)."""
@@ -110,32 +148,37 @@ class BoxIndex:
         values = self._values
         if self._classes is None:
             inside = None
-            for inner in values:
-                if p0 <= inner[1] and inner[2] <= p1 and b0 <= inner[3] and inner[4] <= b1:
+            for other in values:
+                if p0 <= other[1] and other[2] <= p1 and b0 <= other[3] and other[4] <= b1:
                     if inside is None:
-                        inside = [inner]
+                        inside = [other]
                     else:
-                        inside.append(inner)
+                        inside.append(other)
             if inside is not None:
-                for inner in inside:
-                    del values[inner]
+                for other in inside:
+                    del values[other]
             return
         emptied = []
+        removed = False
         for width_class, (starts, members) in self._classes.items():
             # A region at least a byte wide that lies inside [b0, b1) starts in [b0, b1).
             lo, hi = (bisect_left(starts, b0), bisect_left(starts, b1)) if width_class else (0, len(members))
             kept = []
             for member in members[lo:hi]:
-                _, q0, q1, c0, c1 = inner = member[0]
+                _, q0, q1, c0, c1 = other = member[0]
                 if p0 <= q0 and q1 <= p1 and b0 <= c0 and c1 <= b1:
-                    del values[inner]
+                    del values[other]
                 else:
                     kept.append(member)
             if len(kept) < hi - lo:
+                removed = True
                 members[lo:hi] = kept
                 starts[lo:hi] = [member[0][3] for member in kept]
                 if not members:
                     emptied.append(width_class)
+        if not removed:
+            return
+        self._answers.clear()
         for width_class in emptied:
             del self._classes[width_class]
         if len(values) <= LINEAR_LIMIT // 2:

@@ -79,21 +79,49 @@ class _Memory:
         order its accesses are listed."""
         deps: set[int] = set()
         accesses = self.accesses
-        for region in inst.reads:
+        reads, writes = inst.reads, inst.writes
+        for region in reads:
             known = accesses.get(region[0])
             if known is not None:
                 known[0].add_overlapping(deps, region)
-        for region in inst.writes:
+        if len(writes) == 1:
+            # Most instructions write one region. Nothing after its hazard queries looks at what it
+            # covers, so the queries and the dropping of what it covers go in one pass, and its own
+            # reads inside it are not recorded (the write would drop them at once).
+            (written,) = writes
+            _, p0, p1, b0, b1 = written
+            known = accesses.get(written[0])
+            if known is None:
+                known = accesses[written[0]] = (BoxIndex(), BoxIndex())
+            else:
+                known[0].take_over(deps, written)
+                known[1].take_over(deps, written)
+            for region in reads:
+                if (
+                    region[0] == written[0]
+                    and p0 <= region[1]
+                    and region[2] <= p1
+                    and b0 <= region[3]
+                    and region[4] <= b1
+                ):
+                    continue
+                read = accesses.get(region[0])
+                if read is None:
+                    read = accesses[region[0]] = (BoxIndex(), BoxIndex())
+                read[1].put(region, idx)
+            known[0].put(written, idx)
+            return deps
+        for region in writes:
             known = accesses.get(region[0])
             if known is not None:
                 known[0].add_overlapping(deps, region)
                 known[1].add_overlapping(deps, region)
-        for region in inst.reads:
+        for region in reads:
             known = accesses.get(region[0])
             if known is None:
                 known = accesses[region[0]] = (BoxIndex(), BoxIndex())
             known[1].put(region, idx)
-        for region in inst.writes:
+        for region in writes:
             known = accesses.get(region[0])
             if known is None:
                 known = accesses[region[0]] = (BoxIndex(), BoxIndex())
