@@ -1,11 +1,10 @@
 """Loading the built repos in a fresh interpreter (hub_loads.py) with a controlled environment:
 ``HF_HUB_OFFLINE``, the cache location and the kernels library's loaded-kernel memo are process-global."""
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from fresh_run import run_script
 
 from kernels_neuron import registry as registry_module
 from kernels_neuron.hub import build
@@ -36,16 +35,7 @@ def local_kernels(*repos: str) -> str:
 def run_loads(loads: list[str], env: dict[str, str], cwd: Path) -> dict:
     """hub_loads.py's ``loads`` in one fresh interpreter: each load's result (or its error)."""
     request = {"repos": {short: REGISTRY.repo_id(name) for short, name in LOADED_REPOS.items()}, "loads": loads}
-    done = subprocess.run(
-        [sys.executable, str(HUB_LOADS), json.dumps(request)],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(HUB_LOADS, request, env, cwd)
 
 
 def loaded(results: dict, load: str) -> dict:

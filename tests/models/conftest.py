@@ -1,14 +1,12 @@
 """The shared parametrisation of the model-level tests (one tiny model per architecture), and the checks
 that need a fresh process (fresh_process.py), run once for every test that asserts on them."""
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fresh_run import run_script
 from tiny_models import ARCHS, build_tiny
 
 from kernels_neuron import registry as registry_module
@@ -56,13 +54,4 @@ def fresh_process(tmp_path_factory) -> dict:
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LOCAL_KERNELS", "KERNELS_"))}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(home / "hf-home"))
-    done = subprocess.run(
-        [sys.executable, str(FRESH_PROCESS), json.dumps(request)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=home,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(FRESH_PROCESS, request, env, home)
