@@ -174,16 +174,17 @@ def _dependencies(instructions: list[Instruction]) -> tuple[list[set[int]], list
     """Per instruction, the earlier ones it waits for (memory hazards and ``depends_on`` edges), and
     the earlier ones it only starts no earlier than (``depends_on(kind=schedule)`` edges)."""
     memory = _Memory()
-    local_index = {inst.index: i for i, inst in enumerate(instructions)}
+    local_index: dict[int, int] = {}  # trace index -> index in this program, made when an edge needs it
     deps: list[set[int]] = []
     issue_after: list[set[int] | tuple[()]] = []
     for i, inst in enumerate(instructions):
         attrs = inst.attrs
-        explicit = attrs.get("depends_on")
+        explicit, issued = attrs.get("depends_on"), attrs.get("issued_after")
+        if (explicit or issued) and not local_index:
+            local_index = {other.index: k for k, other in enumerate(instructions)}
         edges = {local_index[j] for j in explicit if j in local_index} if explicit else _NO_EDGES
         waits = memory.access(inst, i) | edges
         deps.append(waits)
-        issued = attrs.get("issued_after")
         issue_after.append({local_index[j] for j in issued if j in local_index} - waits if issued else ())
     return deps, issue_after
 
