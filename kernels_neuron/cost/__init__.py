@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from itertools import groupby
+from operator import attrgetter
 from typing import Any
 
 from ..sim import run as _simulate
@@ -49,9 +51,9 @@ def estimate_trace(trace: Trace, target: str | None = None, flops: int | None = 
     TFLOPS and %-of-peak figures, e.g. with the standard count of the algorithm.
     """
     hw = hardware(target or trace.target)
-    programs: dict[tuple[int, tuple[int, ...]], list[Instruction]] = defaultdict(list)
-    for inst in trace.instructions:
-        programs[(inst.rank, inst.program)].append(inst)
+    programs: dict[tuple[int, tuple[int, ...]], list[Instruction]] = {}
+    for key, run in groupby(trace.instructions, key=attrgetter("rank", "program")):
+        programs.setdefault(key, []).extend(run)
     if not programs:
         programs[(0, (0,))] = []
     schedules = {p: schedule(insts, hw) for p, insts in programs.items()}

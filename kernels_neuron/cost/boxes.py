@@ -19,9 +19,9 @@ from bisect import bisect_left, bisect_right
 from ..sim.trace import Region
 
 # Up to this many regions a buffer's are scanned in insertion order; beyond it they are filed by
-# width class. Measured on the bench traces: below a few dozen, bisecting and sorting answers cost
-# more than the scan they save (40 beat 16, 24, 64 and 100).
-LINEAR_LIMIT = 40
+# width class when next asked about. Measured on six bench traces: limits of 12 to 32 came within a
+# few percent of each other, and 40 was up to a quarter slower on two of them.
+LINEAR_LIMIT = 24
 
 
 def _width_class(b0: int, b1: int) -> int:
@@ -42,9 +42,9 @@ class BoxIndex:
         # order, each region with its sequence number (the insertion order, to sort answers by).
         self._classes: dict[int, tuple[list[int], list[tuple[Region, int]]]] | None = None
         self._next_sequence = 0
-        # add_overlapping's answers while the filed regions and their values stay as they are: a tile
-        # written once is often read by many instructions in a row (a matmul's stationary operand).
-        self._answers: dict[Region, tuple[int, ...]] = {}
+        # Once filed, add_overlapping's answers while the regions and their values stay as they are: a
+        # tile written once is often read by many instructions in a row (a matmul's stationary operand).
+        self._answers: dict[Region, tuple[int, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self._values)
@@ -54,8 +54,6 @@ class BoxIndex:
         values = self._values
         if self._classes is None:
             values[region] = value
-            if len(values) > LINEAR_LIMIT:
-                self._build_classes()
             return
         if self._answers:
             self._answers.clear()
@@ -72,10 +70,18 @@ class BoxIndex:
         self.put(region, value)
 
     def _build_classes(self) -> None:
+        """File the regions: at the first question asked once there are more than LINEAR_LIMIT, so a
+        buffer that grows large but is not asked about again is never filed."""
+        by_class: dict[int, list[tuple[int, int, Region]]] = {}
+        for sequence, region in enumerate(self._values):
+            _, _, _, b0, b1 = region
+            by_class.setdefault(_width_class(b0, b1), []).append((b0, sequence, region))
         self._classes = {}
-        self._next_sequence = 0
-        for region in self._values:
-            self._file(region)
+        for width_class, members in by_class.items():
+            members.sort()
+            self._classes[width_class] = ([b0 for b0, _, _ in members], [(r, seq) for _, seq, r in members])
+        self._answers = {}
+        self._next_sequence = len(self._values)
 
     def _file(self, region: Region) -> None:
         assert self._classes is not None
@@ -88,15 +94,19 @@ class BoxIndex:
 
     def add_overlapping(self, found: set[int], region: Region) -> None:
         """Add to ``found``, in insertion order, the value of every region that overlaps ``region``."""
+        if self._classes is None and len(self._values) > LINEAR_LIMIT:
+            self._build_classes()
         if self._classes is None:
             _, p0, p1, b0, b1 = region
             for (_, q0, q1, c0, c1), value in self._values.items():
                 if p0 < q1 and q0 < p1 and b0 < c1 and c0 < b1:
                     found.add(value)
             return
-        answer = self._answers.get(region)
+        answers = self._answers
+        assert answers is not None
+        answer = answers.get(region)
         if answer is None:
-            answer = self._answers[region] = self._filed_overlapping(region)
+            answer = answers[region] = self._filed_overlapping(region)
         for value in answer:
             found.add(value)
 
@@ -121,6 +131,8 @@ class BoxIndex:
 
     def take_over(self, found: set[int], region: Region) -> None:
         """``add_overlapping`` then ``discard_inside``, in one pass over the regions while they are few."""
+        if self._classes is None and len(self._values) > LINEAR_LIMIT:
+            self._build_classes()
         if self._classes is not None:
             for value in self._filed_overlapping(region):
                 found.add(value)
@@ -146,6 +158,8 @@ class BoxIndex:
         """Remove every region that lies inside ``region`` (``region`` itself among them)."""
         _, p0, p1, b0, b1 = region
         values = self._values
+        if self._classes is None and len(values) > LINEAR_LIMIT:
+            self._build_classes()
         if self._classes is None:
             inside = None
             for other in values:
@@ -178,8 +192,10 @@ class BoxIndex:
                     emptied.append(width_class)
         if not removed:
             return
-        self._answers.clear()
         for width_class in emptied:
             del self._classes[width_class]
         if len(values) <= LINEAR_LIMIT // 2:
-            self._classes = None  # few enough again to scan
+            self._classes = self._answers = None  # few enough again to scan
+        else:
+            assert self._answers is not None
+            self._answers.clear()

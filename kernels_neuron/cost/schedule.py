@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..sim.trace import Instruction
 from .boxes import BoxIndex
@@ -170,31 +171,39 @@ class _Bandwidth:
 _NO_EDGES: frozenset[int] = frozenset()
 
 
-def _dependencies(instructions: list[Instruction]) -> tuple[list[set[int]], list[set[int] | tuple[()]]]:
-    """Per instruction, the earlier ones it waits for (memory hazards and ``depends_on`` edges), and
-    the earlier ones it only starts no earlier than (``depends_on(kind=schedule)`` edges)."""
+class _Tables(NamedTuple):
+    """What placement needs of each instruction, gathered in one pass over them."""
+
+    deps: list[set[int]]  # the earlier ones it waits for: memory hazards and depends_on edges
+    issue_after: list[set[int] | tuple[()]]  # the earlier ones it only starts no earlier than
+    engines: list[str]
+    durations: list[float]  # engine time, or for a transfer the time it holds the bandwidth
+
+
+def _tables(instructions: list[Instruction], hw: Hardware) -> _Tables:
     memory = _Memory()
-    local_index = {inst.index: i for i, inst in enumerate(instructions)}
-    deps: list[set[int]] = []
-    issue_after: list[set[int] | tuple[()]] = []
+    local_index: dict[int, int] = {}  # trace index -> index in this program, made when an edge needs it
+    tables = _Tables([], [], [], [])
+    deps, issue_after, engines, durations = tables
     for i, inst in enumerate(instructions):
         attrs = inst.attrs
-        explicit = attrs.get("depends_on")
+        explicit, issued = attrs.get("depends_on"), attrs.get("issued_after")
+        if (explicit or issued) and not local_index:
+            local_index = {other.index: k for k, other in enumerate(instructions)}
         edges = {local_index[j] for j in explicit if j in local_index} if explicit else _NO_EDGES
         waits = memory.access(inst, i) | edges
         deps.append(waits)
-        issued = attrs.get("issued_after")
         issue_after.append({local_index[j] for j in issued if j in local_index} - waits if issued else ())
-    return deps, issue_after
+        engine = inst.engine
+        engines.append(engine)
+        durations.append(dma_transfer_ns(inst, hw) if engine == "dma" else engine_ns(inst, hw))
+    return tables
 
 
 def schedule(instructions: list[Instruction], hw: Hardware) -> Schedule:
     """Place one program's instructions in time."""
     count = len(instructions)
-    deps, issue_after = _dependencies(instructions)
-    engines = [inst.engine for inst in instructions]
-    # What each instruction costs: engine time, or for a transfer the time it holds the bandwidth.
-    durations = [dma_transfer_ns(inst, hw) if inst.engine == "dma" else engine_ns(inst, hw) for inst in instructions]
+    deps, issue_after, engines, durations = _tables(instructions, hw)
 
     # Each engine, and each DMA queue (transfers go round-robin onto them), is an in-order lane.
     lane_ids: dict[str | int, int] = {}

@@ -27,10 +27,6 @@ from .hardware import Hardware
 _CLOCK_FIELD = {"tensor": "tensor_ghz", "vector": "vector_ghz", "scalar": "scalar_ghz", "gpsimd": "gpsimd_ghz"}
 
 
-def _clock_ghz(engine: str, hw: Hardware) -> float:
-    return getattr(hw, _CLOCK_FIELD[engine])
-
-
 # Per-partition scalars ([P, 1] operands, bias, scale) ride along with an instruction; only the
 # streamed tiles decide whether VectorE's bf16 fast modes apply.
 _SCALAR_ROLES = frozenset({"operand0", "operand1", "bias", "scale", "imm0", "imm1", "reduce_res", "max_value"})
@@ -95,7 +91,7 @@ def engine_cycles(inst: Instruction, hw: Hardware) -> float:
 
 
 def engine_ns(inst: Instruction, hw: Hardware) -> float:
-    return engine_cycles(inst, hw) / _clock_ghz(inst.engine, hw)
+    return engine_cycles(inst, hw) / getattr(hw, _CLOCK_FIELD[inst.engine])
 
 
 def dma_efficiency(contiguous_bytes: int, hw: Hardware) -> float:

@@ -108,7 +108,7 @@ def test_box_index_answers_as_a_scan_in_insertion_order(pool, operations):
 @settings(max_examples=150, deadline=None)
 @given(st.lists(_regions(), min_size=LINEAR_LIMIT + 1, max_size=2 * LINEAR_LIMIT, unique=True), _OPERATIONS)
 def test_a_filed_index_answers_as_a_scan(filled, operations):
-    """Filled with more distinct regions than LINEAR_LIMIT first, so the operations start on the
+    """Filled with more distinct regions than LINEAR_LIMIT first, so the operations run on the
     width-class index (and go back to scanning if enough are discarded)."""
     _check(filled, filled, operations)
 
