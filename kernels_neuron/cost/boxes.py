@@ -140,19 +140,15 @@ class BoxIndex:
             return
         _, p0, p1, b0, b1 = region
         values = self._values
-        inside = None
+        inside = []
         for other, value in values.items():
             _, q0, q1, c0, c1 = other
             if p0 < q1 and q0 < p1 and b0 < c1 and c0 < b1:
                 found.add(value)
             if p0 <= q0 and q1 <= p1 and b0 <= c0 and c1 <= b1:
-                if inside is None:
-                    inside = [other]
-                else:
-                    inside.append(other)
-        if inside is not None:
-            for other in inside:
-                del values[other]
+                inside.append(other)
+        for other in inside:
+            del values[other]
 
     def discard_inside(self, region: Region) -> None:
         """Remove every region that lies inside ``region`` (``region`` itself among them)."""
@@ -161,16 +157,8 @@ class BoxIndex:
         if self._classes is None and len(values) > LINEAR_LIMIT:
             self._build_classes()
         if self._classes is None:
-            inside = None
-            for other in values:
-                if p0 <= other[1] and other[2] <= p1 and b0 <= other[3] and other[4] <= b1:
-                    if inside is None:
-                        inside = [other]
-                    else:
-                        inside.append(other)
-            if inside is not None:
-                for other in inside:
-                    del values[other]
+            for other in [o for o in values if p0 <= o[1] and o[2] <= p1 and b0 <= o[3] and o[4] <= b1]:
+                del values[other]
             return
         emptied = []
         removed = False
