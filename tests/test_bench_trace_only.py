@@ -6,6 +6,7 @@ instruction, as a full simulation, and so the same modelled figures."""
 import dataclasses
 import json
 import pickle
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -92,6 +93,22 @@ def test_parallel_suite_runs_give_the_serial_records_in_order(monkeypatch):
     unpicklable = dataclasses.replace(cases[0], prepare_reference=lambda *args: None)
     with pytest.raises(ValueError, match="'rmsnorm-fwd/llama' cannot be sent to a worker process"):
         bench.run_suite([unpicklable, cases[1]], progress=False, jobs=2)
+
+
+def test_bench_workers_are_forked_here_and_run_torch_on_one_thread():
+    import torch
+
+    from kernels_neuron.bench import runner
+
+    assert runner._worker_context().get_start_method() == "fork"  # Linux: no second import of torch
+    parent_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a forked child would inherit it
+    try:
+        with ProcessPoolExecutor(1, mp_context=runner._worker_context(), initializer=runner._start_worker) as pool:
+            assert pool.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(parent_threads)
 
 
 def test_every_suite_case_can_go_to_a_worker_process():

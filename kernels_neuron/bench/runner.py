@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -190,8 +191,8 @@ def run_suite(
     run = partial(run_case, target=target, check_numerics=check_numerics)
     jobs = 1 if device_available() else min(jobs, len(chosen))
     with contextlib.ExitStack() as stack:
-        advance = _progress_bar(stack, len(chosen)) if progress else None
         if jobs == 1:
+            advance = _progress_bar(stack, len(chosen)) if progress else None
             records = []
             for case in chosen:
                 if advance is not None:
@@ -209,12 +210,11 @@ def run_suite(
                     f"case {case.name!r} cannot be sent to a worker process ({exc}); run it with jobs=1 "
                     "(--jobs 1), or build it from module-level kernels and functions"
                 ) from exc
-        # Spawned workers import what they need (a forked one would inherit torch's thread pools);
-        # each installs the simulator first, as the suite module does on import.
-        pool = stack.enter_context(
-            ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=sim.install)
-        )
+        pool = stack.enter_context(ProcessPoolExecutor(jobs, mp_context=_worker_context(), initializer=_start_worker))
+        # The first submit starts the workers: before the progress bar's refresh thread exists, so that a
+        # forked worker cannot inherit a lock that thread held.
         futures = {pool.submit(run, case): index for index, case in enumerate(chosen)}
+        advance = _progress_bar(stack, len(chosen)) if progress else None
         by_index: dict[int, Record] = {}
         for future in as_completed(futures):
             index = futures[future]
@@ -227,6 +227,23 @@ def run_suite(
             if advance is not None:
                 advance(chosen[index].name, done=True)
         return [by_index[i] for i in range(len(chosen))]
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """How worker processes start: forked where the OS can fork, so that they inherit the imported
+    simulator, kernels and torch (a spawned worker spends about 2 s of CPU importing them again), else
+    spawned."""
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
+def _start_worker() -> None:
+    """A worker's set-up: the simulator installed (a spawned worker starts without it), and torch, where
+    imported, kept to one thread. Workers already run one per core, and a forked child must not enter a
+    thread pool its parent may have started (the child has none of the parent's threads)."""
+    sim.install()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 class NoMatchingCase(ValueError):
