@@ -468,6 +468,15 @@ class Tensor:
             if isinstance(k, DynSlice):
                 k = k.as_slice()
             if isinstance(k, slice):
+                start, stop = k.start, k.stop
+                if k.step is None and (start is None or type(start) is int) and (stop is None or type(stop) is int):
+                    first = 0 if start is None else start
+                    if 0 <= first < (n if stop is None else stop) <= n:  # in bounds as written: NumPy takes it as is
+                        out.append(k)
+                        skipped += first * strides[dim]
+                        if dim:
+                            free_sliced = True
+                        continue
                 k = _checked_slice(k, n, dim, self)
                 out.append(k)
                 skipped += k.start * strides[dim]
