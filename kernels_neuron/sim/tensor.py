@@ -927,7 +927,7 @@ def _same_view(target: np.ndarray, buf: Buffer, view: np.ndarray, offset: int) -
     scale_from, scale_to = base.itemsize, target.itemsize
     # A dtype-reinterpreting view only happens on whole rows; map bytes to base elements.
     elem = offset // scale_from
-    strides = tuple(s * scale_to // scale_from for s in view.strides)
+    strides = tuple([s * scale_to // scale_from for s in view.strides])
     shape = view.shape
     if view.itemsize != base.itemsize:
         ratio = view.itemsize / base.itemsize
