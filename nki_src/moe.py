@@ -568,10 +568,11 @@ def _grad_row_columns(hidden, dtype):
     return min(hidden, SATURATING_ROW_BYTES // itemsize(dtype))
 
 
-def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
+def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead, paired):
     """SBUF per partition of a block of ``block_tiles`` token tiles with parts of up to ``width``
     intermediate columns (``ahead``: 1 when the next intermediate tile's gate/up rows are read while
-    this one's are in use)."""
+    this one's are in use; ``paired``: 1 when an intermediate tile's gate and up rows are transposed side
+    by side, one moving operand for g and u)."""
     size = itemsize(dtype)
     h_cols = ceil_div(hidden, P) * P
     part = min(width, ceil_div(inter, P) * P)
@@ -586,7 +587,7 @@ def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
     fixed = (
         SBUF_RESERVE
         + (2 + 2 * ahead) * hidden * size  # gate and up rows in use (and the next tile's)
-        + h_cols * size  # one of them transposed
+        + (1 + paired) * h_cols * size  # one of them transposed, or both side by side
         + (DOWN_GROUP + DOWN_PREFETCH) * part * size  # down-weight row segments in use and in flight
         # weight-gradient row segments: the one being written and the earlier blocks' sums of it and of the
         # next (read a segment ahead), for gate/up's rows and for dWd's
@@ -597,12 +598,20 @@ def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
 
 
 def backward_part_plan(tile, block_tiles, hidden, inter, dtype, sbuf_bytes):
-    """(width, ahead): the widest part (a power of two of columns, at most :func:`backward_part_width`)
-    that fits ``sbuf_bytes``, and 1 when reading gate/up rows ahead fits beside it too; None if none fits."""
+    """(width, ahead, paired): the widest part (a power of two of columns, at most
+    :func:`backward_part_width`) that fits ``sbuf_bytes``; ``paired`` 1 when an intermediate tile's gate
+    and up rows transposed side by side fit beside it (g and u from one matmul per hidden tile and token
+    tile, twice the moving columns: half the matmuls), then ``ahead`` 1 when reading gate/up rows ahead
+    fits beside those too; None if no part fits."""
+
+    def fits(width, ahead, paired):
+        return _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead, paired) <= sbuf_bytes
+
     width = backward_part_width(dtype)
     while width >= P:
-        if _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, 0) <= sbuf_bytes:
-            return width, int(_backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, 1) <= sbuf_bytes)
+        if fits(width, 0, 0):
+            paired = int(fits(width, 0, 1))
+            return width, int(fits(width, 1, paired)), paired
         width //= 2
     return None
 
@@ -695,7 +704,7 @@ class _Grads(nl.NKIObject):
         self.dy, self.x, self.w_gate_up, self.w_down = dy, x, w_gate_up, w_down
         self.slot_token, self.slot_row, self.slot_weight = tables
         self.rows_out, self.d_weight_out, self.dw_gate_up, self.dw_down = outputs
-        self.tile, self.block_tiles, self.width, self.ahead = plan
+        self.tile, self.block_tiles, self.width, self.ahead, self.paired = plan
         self.activation = activation
         self.hidden = x.shape[1]
         self.inter = w_down.shape[2]
@@ -798,18 +807,32 @@ class _Grads(nl.NKIObject):
                         self.evictions.evict(da, acc)
             part.started = True
 
-    def _project(self, blk, rows, isz, gate_up, kind):
-        """g (kind 0) or u (kind 1) of one intermediate tile for every token tile, from its weight rows."""
-        tile = self.tile
-        rows_t = nl.ndarray((P, ceil_div(self.hidden, P), isz), self.dtype, buffer=nl.sbuf)
-        _transpose_rows_into(rows_t, rows, isz, self.hidden, self.dtype, self.evictions)
-        for j in nl.dynamic_range(blk.used_tiles):
-            acc = nl.ndarray((tile, isz), nl.float32, buffer=nl.psum)
-            for k, (_, hsz) in enumerate(tiles(self.hidden, P)):
-                nisa.nc_matmul(
-                    dst=acc, stationary=self.x_t[:hsz, k, nl.ds(j * tile, tile)], moving=rows_t[:hsz, k, :isz]
+    def _project(self, blk, w_gate, w_up, isz, gate_up):
+        """g and u of one intermediate tile for every token tile, from its gate and up rows: token tile j's
+        g at gate_up's columns j * 256 + [0, isz), its u right after. Paired (:func:`backward_part_plan`),
+        both rows transposed side by side are one moving operand of 2 * isz columns; else one each."""
+        tile, hidden, dtype, h_tiles = self.tile, self.hidden, self.dtype, ceil_div(self.hidden, P)
+        if self.paired:
+            both_t = nl.ndarray((P, h_tiles, 2 * isz), dtype, buffer=nl.sbuf)
+            for half, rows in enumerate((w_gate, w_up)):
+                _transpose_rows_into(
+                    both_t[:, :, half * isz : (half + 1) * isz], rows, isz, hidden, dtype, self.evictions
                 )
-            self.evictions.evict(gate_up[:, nl.ds(j * 2 * P + kind * P, isz)], acc)
+            groups = [(both_t, 0, 2 * isz)]
+        else:
+            groups = []
+            for half, rows in enumerate((w_gate, w_up)):
+                rows_t = nl.ndarray((P, h_tiles, isz), dtype, buffer=nl.sbuf)
+                _transpose_rows_into(rows_t, rows, isz, hidden, dtype, self.evictions)
+                groups.append((rows_t, half * isz, isz))
+        for moving_t, c0, cols in groups:
+            for j in nl.dynamic_range(blk.used_tiles):
+                acc = nl.ndarray((tile, cols), nl.float32, buffer=nl.psum)
+                for k, (_, hsz) in enumerate(tiles(hidden, P)):
+                    nisa.nc_matmul(
+                        dst=acc, stationary=self.x_t[:hsz, k, nl.ds(j * tile, tile)], moving=moving_t[:hsz, k, :cols]
+                    )
+                self.evictions.evict(gate_up[:, nl.ds(j * 2 * P + c0, cols)], acc)
 
     def intermediate_tile(self, blk, part, i0, isz, stream):
         """Step 2 for one intermediate tile of ``part``; the first of the intermediate starts dx's sums."""
@@ -824,8 +847,7 @@ class _Grads(nl.NKIObject):
         upcoming = self._read_earlier(blk, self.dw_gate_up, regions[0])  # read while the tile computes
         gate_up = nl.ndarray((tile, self.block_tiles * 2 * P), dtype, buffer=nl.sbuf)
         grads = nl.ndarray((tile, self.block_tiles * 2 * P), dtype, buffer=nl.sbuf)  # dg, du
-        self._project(blk, w_gate, isz, gate_up, 0)
-        self._project(blk, w_up, isz, gate_up, 1)
+        self._project(blk, w_gate, w_up, isz, gate_up)
         for j in nl.dynamic_range(blk.used_tiles):
             pair = j * 2 * P
             da = part.da[:, nl.ds(j * width + column, isz)]
@@ -834,7 +856,7 @@ class _Grads(nl.NKIObject):
             a = _elementwise_grads(
                 d_act,
                 gate_up[:, nl.ds(pair, isz)],
-                gate_up[:, nl.ds(pair + P, isz)],
+                gate_up[:, nl.ds(pair + isz, isz)],
                 grads[:, nl.ds(pair, isz)],
                 grads[:, nl.ds(pair + P, isz)],
                 tile,
@@ -1001,7 +1023,7 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
         raise ValueError(f"moe_experts backward: expert_idle of shape {tuple(expert_idle.shape)} is not ({experts}, 1)")
     block_tiles = block // tile
     plan = backward_part_plan(tile, block_tiles, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
-    width, ahead = plan if plan is not None else (P, 0)
+    width, ahead, paired = plan if plan is not None else (P, 0, 0)
     i_tiles = list(tiles(inter, P))
     n_part = min(len(i_tiles), width // P)
     parts = [i_tiles[k : k + n_part] for k in range(0, len(i_tiles), n_part)]
@@ -1018,7 +1040,7 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
         w_down,
         tables,
         (rows_out, d_weight, dw_gate_up, dw_down),
-        (tile, block_tiles, width, ahead),
+        (tile, block_tiles, width, ahead, paired),
         activation,
     )
     info = nl.ndarray((1, BLOCK_FIELDS), nl.int32, buffer=nl.sbuf)

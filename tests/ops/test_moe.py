@@ -117,13 +117,14 @@ def _assert_grads_match(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * w.abs().max(), msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("ahead", [0, 1])
-def test_backward_over_several_blocks_and_parts_per_expert(monkeypatch, ahead):
+@pytest.mark.parametrize("ahead, paired", [(0, 0), (1, 0), (0, 1)])
+def test_backward_over_several_blocks_and_parts_per_expert(monkeypatch, ahead, paired):
     """Blocks of one token tile, so each expert's ~200 choices span two blocks (the weight gradients'
     read-back and add) with a partial last tile, and parts of one intermediate tile (several parts, each
-    one's da formed beside the last one's tiles), with and without gate/up rows read ahead."""
+    one's da formed beside the last one's tiles), with and without gate/up rows read ahead, with g and u
+    projected apart and side by side (a full intermediate tile and the partial last one)."""
     monkeypatch.setattr(moe_kernels, "backward_block_plan", lambda tokens, *_: (min(128, tokens), 1))
-    monkeypatch.setattr(moe_kernels, "backward_part_plan", lambda *_: (128, ahead))
+    monkeypatch.setattr(moe_kernels, "backward_part_plan", lambda *_: (128, ahead, paired))
     shape = (300, 130, 260, 3, 2)
     args = _inputs(shape, torch.float32, seed=3)
     layout = routing_layout(args[1], args[2], 3, 130, 260, torch.float32, backward=True)
