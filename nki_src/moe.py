@@ -581,6 +581,7 @@ def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead, 
         + 2 * hidden * size  # x's and dy_e's rows
         + 4 * hidden  # dx's sums
         + part * (4 + size)  # the part's da (fp32) and a
+        + 4 * part // P  # the part's shares of the routing weight's gradient
         + 4 * P * size  # g, u, dg, du of an intermediate tile
         + 2 * 4  # the routing weight and its gradient's sum
     )
@@ -655,13 +656,14 @@ class _BackwardBlock(nl.NKIObject):
 
 class _Part(nl.NKIObject):
     """A run of intermediate tiles ((start, size) each): its first column and width, its da (fp32, summed
-    over the hidden tiles) and a, token-major, ``width`` columns per token tile; ``started`` once a
-    group of hidden tiles has written da (later groups add to it)."""
+    over the hidden tiles) and a, token-major, ``width`` columns per token tile, and each intermediate
+    tile's share of the routing weights' gradients (fp32, a column per intermediate tile and token tile);
+    ``started`` once a group of hidden tiles has written da (later groups add to it)."""
 
-    def __init__(self, intermediate_tiles, da, act):
+    def __init__(self, intermediate_tiles, da, act, shares):
         self.first = intermediate_tiles[0][0]
         self.cols = intermediate_tiles[-1][0] + intermediate_tiles[-1][1] - self.first
-        self.tiles, self.da, self.act = intermediate_tiles, da, act
+        self.tiles, self.da, self.act, self.shares = intermediate_tiles, da, act, shares
         self.started = False
 
 
@@ -705,6 +707,7 @@ class _Grads(nl.NKIObject):
         self.slot_token, self.slot_row, self.slot_weight = tables
         self.rows_out, self.d_weight_out, self.dw_gate_up, self.dw_down = outputs
         self.tile, self.block_tiles, self.width, self.ahead, self.paired = plan
+        self.part_tiles = self.width // P  # intermediate tiles of a whole part
         self.activation = activation
         self.hidden = x.shape[1]
         self.inter = w_down.shape[2]
@@ -783,7 +786,17 @@ class _Grads(nl.NKIObject):
             intermediate_tiles,
             nl.ndarray((tile, bt * width), nl.float32, buffer=nl.sbuf),
             nl.ndarray((tile, bt * width), self.dtype, buffer=nl.sbuf),
+            nl.ndarray((tile, bt * self.part_tiles), nl.float32, buffer=nl.sbuf),
         )
+
+    def add_weight_grad_shares(self, blk, part):
+        """Each token tile's routing-weight gradients += the sum of the part's shares (one reduce per part)."""
+        tile, n = self.tile, len(part.tiles)
+        for j in nl.dynamic_range(blk.used_tiles):
+            total = nl.ndarray((tile, 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=total, op=nl.add, data=part.shares[:, nl.ds(j * self.part_tiles, n)], axis=1)
+            d_weight = self.d_weight[:, nl.ds(j, 1)]
+            nisa.tensor_tensor(dst=d_weight, data1=d_weight, data2=total, op=nl.add)
 
     def accumulate_da(self, blk, part, h_slice, stream):
         """Step 1 over some hidden tiles (``h_slice``: index, start, size): da += dy[:, h] Wd[h, part]
@@ -851,10 +864,8 @@ class _Grads(nl.NKIObject):
         for j in nl.dynamic_range(blk.used_tiles):
             pair = j * 2 * P
             da = part.da[:, nl.ds(j * width + column, isz)]
-            d_act = nl.ndarray((tile, isz), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=d_act, data=da, op0=nl.multiply, operand0=self.weight[:, nl.ds(j, 1)])
             a = _elementwise_grads(
-                d_act,
+                da,
                 gate_up[:, nl.ds(pair, isz)],
                 gate_up[:, nl.ds(pair + isz, isz)],
                 grads[:, nl.ds(pair, isz)],
@@ -864,20 +875,24 @@ class _Grads(nl.NKIObject):
                 self.activation,
                 dtype,
                 self.ones,
+                scale=self.weight[:, nl.ds(j, 1)],
+                a_out=part.act[:, nl.ds(j * width + column, isz)],
             )
-            nisa.tensor_copy(dst=part.act[:, nl.ds(j * width + column, isz)], src=a, engine=nisa.engine.gpsimd)
-            # the routing weight's gradient: a . da, over the intermediate
+            # the routing weight's gradient: a . da over the intermediate, this tile's share in its column
+            # of the part's shares (summed into d_weight once per part, :meth:`add_weight_grad_shares`)
             product = nl.ndarray((tile, isz), nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=product, data1=a, data2=da, op=nl.multiply, engine=nisa.engine.gpsimd)
-            share = nl.ndarray((tile, 1), nl.float32, buffer=nl.sbuf)
+            share = part.shares[:, nl.ds(j * self.part_tiles + column // P, 1)]
             nisa.tensor_reduce(dst=share, op=nl.add, data=product, axis=1)
-            d_weight = self.d_weight[:, nl.ds(j, 1)]
-            nisa.tensor_tensor(dst=d_weight, data1=d_weight, data2=share, op=nl.add)
-            # dx's sums += dg Wg + du Wu, contracting over the tile's intermediate rows
+            # dx's sums += dg Wg + du Wu, contracting over the tile's intermediate rows; dg and du transposed
+            # into one PSUM bank (one eviction) when the tile is whole
             grads_t = nl.ndarray((P, 2, tile), dtype, buffer=nl.sbuf)
-            for kind in range(2):
-                src = grads[:, nl.ds(pair + kind * P, isz)]
-                _transpose_rows_into(grads_t[:, kind : kind + 1, :], src, tile, isz, dtype, self.evictions)
+            if isz == P:
+                _transpose_rows_into(grads_t, grads[:, nl.ds(pair, 2 * P)], tile, 2 * P, dtype, self.evictions)
+            else:
+                for kind in range(2):
+                    src = grads[:, nl.ds(pair + kind * P, isz)]
+                    _transpose_rows_into(grads_t[:, kind : kind + 1, :], src, tile, isz, dtype, self.evictions)
             for c0, csz in tiles(hidden, MOVING_COLUMNS):
                 acc = nl.ndarray((tile, csz), nl.float32, buffer=nl.psum)
                 for kind, rows in enumerate((w_gate, w_up)):
@@ -1062,6 +1077,7 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
                     grads.intermediate_tile(blk, part, i0, isz, stream)
                     if upcoming is not None:
                         grads.accumulate_da(blk, upcoming, slices[t], stream)
+                grads.add_weight_grad_shares(blk, part)
                 grads.down_weight_grad(blk, part)
                 part = upcoming
             grads.scatter(blk)
