@@ -281,6 +281,24 @@ def test_forward_matmuls_move_up_to_512_token_columns():
     assert moving == {512: 3, 256: 3, 128: 3 + 3}
 
 
+@pytest.mark.parametrize("paired", [1, 0])
+def test_backward_projects_g_and_u_in_one_matmul_per_hidden_tile(monkeypatch, paired):
+    """Paired (the plan's choice when SBUF allows), an intermediate tile's gate and up rows are one moving
+    operand: one token tile, two hidden tiles (128 + 72), one intermediate tile of 96, so g and u take two
+    192-column matmuls; apart, four of 96. The other products: da and dWd two of the part's 96 columns
+    each, dx and dWg/dWu two of the hidden's 200 each; the gradients match either way."""
+    plan = moe_kernels.backward_part_plan
+    monkeypatch.setattr(moe_kernels, "backward_part_plan", lambda *a: plan(*a)[:2] + (paired,))
+    args = _top1_inputs([100], 200, 96)
+    grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(8))
+    with sim.capture() as traces:
+        got = _grads(moe_experts, args, "silu", grad_out)
+    (trace,) = [t for t in traces if t.kernel == "moe_bwd"]
+    moving = Counter(i.attrs["N"] for i in trace.instructions if i.op == "nc_matmul")
+    assert moving == ({96: 4, 192: 2, 200: 4} if paired else {96: 8, 200: 4})
+    _assert_grads_match(got, _grads(moe_experts_reference, args, "silu", grad_out))
+
+
 def test_a_masked_choice_adds_nothing():
     """transformers' expert-parallel marker (index == E) is skipped by the module; the op skips it too."""
     x, index, weights, w_gate_up, w_down = _inputs((20, 64, 96, 4, 2), torch.float32)
