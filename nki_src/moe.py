@@ -97,13 +97,21 @@ Backward tiling plan (per used block, token-major: a token tile's slots on parti
          added into the part's da in SBUF (fp32). The next part's step 1 runs beside this part's step
          2, a slice of hidden tiles after each intermediate tile, so the down weight's reads spread
          over the part instead of stalling TensorE at its start.
-      2. per intermediate tile: its gate and up rows are read in 8 KiB rows and transposed on TensorE
-         (each in turn, for g and u per token tile, x^T stationary); a, dg, du come from da times the
-         routing weight (``mlp._elementwise_grads``: ScalarE, VectorE, GpSimd) and the routing weight's
-         gradient adds a . da; dg and du are transposed and dx's sums add dg Wg + du Wu (the rows as
-         read are the moving operand); dWg's and dWu's rows sum over the token tiles in PSUM (dg, du
-         stationary, x's rows moving) and are written in 4 KiB row segments, the earlier blocks' sums
-         (a continuing block) read a segment ahead, the first while the tile computes.
+      2. per intermediate tile: its gate and up rows are read in 8 KiB rows and transposed on TensorE.
+         With ``paired`` (:func:`backward_part_plan`: when SBUF holds both transposes) they sit side by
+         side, one moving operand of 2 * 128 columns, so g and u of a token tile (x^T stationary) take
+         one matmul per hidden tile into one PSUM tile and one eviction; otherwise one matmul each.
+         (The token tiles cannot be the moving operand here: a block of this layout often has only one
+         or two, and TensorE's 128x128 transposes of the weights, which no layout avoids, stay.) a, dg,
+         du come from da and the routing weight (``mlp._elementwise_grads``: ScalarE, VectorE, GpSimd;
+         the weight folded into VectorE's two products with da, a written straight into the part's
+         buffer); each tile's share of the routing weight's gradient, a . da, goes to its own column
+         and the part's shares are summed into it once per part. dg and du are transposed (into one
+         PSUM bank, one eviction, when the tile is whole) and dx's sums add dg Wg + du Wu (the rows as
+         read are the moving operand, 512 columns); dWg's and dWu's rows sum over the token tiles in
+         PSUM (dg, du stationary, x's rows moving, 512 columns) and are written in 4 KiB row segments,
+         the earlier blocks' sums (a continuing block) read a segment ahead, the first while the tile
+         computes.
       3. dWd for the part, per hidden tile: dy_e's rows stationary, a moving, summed over the token
          tiles in PSUM, written as [hidden tile, part] segments.
     Every used block reads its expert's weights once, gate/up rows two tiles ahead when SBUF allows.
@@ -698,9 +706,11 @@ class _Grads(nl.NKIObject):
 
     Token-major buffers put token tile j's slots on partitions and its columns at j * (row width):
     ``x_rows``/``dy_rows`` [tile, block tiles * H] (dy_e = w * dy), ``dx_sums`` (fp32), ``weight`` and
-    ``d_weight`` (one fp32 column per tile); per part (:class:`_Part`) da and a, ``width`` per tile; per
-    intermediate tile g, u and dg, du, 2 * 128 per tile (fresh buffers: the next tile's need not wait
-    for this one's last reads). Feature-major: ``x_t``/``dy_t`` [128, H tiles, block tiles * tile]."""
+    ``d_weight`` (one fp32 column per tile); per part (:class:`_Part`) da and a, ``width`` per tile, and the
+    routing-weight gradient's shares; per intermediate tile g, u (u right after g's columns, as one
+    paired matmul leaves them) and dg, du (128 apart: a whole tile's pair is transposed in one call), 2 * 128 per
+    tile (fresh buffers: the next tile's need not wait for this one's last reads). Feature-major:
+    ``x_t``/``dy_t`` [128, H tiles, block tiles * tile]."""
 
     def __init__(self, dy, x, w_gate_up, w_down, tables, outputs, plan, activation):
         self.dy, self.x, self.w_gate_up, self.w_down = dy, x, w_gate_up, w_down
@@ -1020,8 +1030,8 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
     the per-token sum of dx's k rows last.
 
     Engine plan
-        TensorE: x, dy, weight and dg/du transposes and the eight products (g, u, da, dx twice, dWg,
-        dWu, dWd). ScalarE: the activation and its derivative, half the evictions. VectorE: the products
+        TensorE: x, dy, weight and dg/du transposes and the products (g and u, one matmul when paired,
+        da, dx twice, dWg, dWu, dWd). ScalarE: the activation and its derivative, half the evictions. VectorE: the products
         with da, dx's sums, the routing-weight scaling, half the evictions. GpSimd: SBUF-only products.
         DMA: gathers/scatters (indirect), weight rows, weight-gradient rows.
     """

@@ -3,7 +3,7 @@ bf16 error), ragged groups (an expert with no token, one with a single token, gr
 blocks and token tiles), sizes off multiples of 128, gradients (non-zero, then compared; top-1, 2 and 4,
 experts over several backward blocks, masked choices), the block layout, the kernels' multi-part paths
 and skipped experts, the forward's matmuls over runs of 4, 2 and 1 token tiles (each run computed, up to
-512 moving columns), the torch.library contract, torch.compile, and bad input."""
+512 moving columns), the backward's g and u projections (paired in one matmul, and apart), the torch.library contract, torch.compile, and bad input."""
 
 from collections import Counter
 
