@@ -915,16 +915,24 @@ def _run(pending):
         function(*args)
 
 
-def _elementwise_grads(d_act, gate, up, d_gate_out, d_up_out, rows, cols, activation, dtype, columns):
+def _elementwise_grads(
+    d_act, gate, up, d_gate_out, d_up_out, rows, cols, activation, dtype, columns, scale=None, a_out=None
+):
     """From da (PSUM) and the saved g, u: writes dg = da * u * act'(g) and du = da * act(g); returns
-    a = act(g) * u. ScalarE: the activation and its derivative; VectorE: the products with da (PSUM);
-    GpSimd: the SBUF-only products."""
+    a = act(g) * u (written into ``a_out`` when given). With ``scale`` (an fp32 [rows, 1] column) da is
+    first multiplied by it, in the same VectorE instructions as its products. ScalarE: the activation and
+    its derivative; VectorE: the products with da (PSUM); GpSimd: the SBUF-only products."""
     act, grad = _activation_and_grad(gate, rows, cols, activation, columns)
-    a = nl.ndarray((rows, cols), dtype, buffer=nl.sbuf)
+    a = nl.ndarray((rows, cols), dtype, buffer=nl.sbuf) if a_out is None else a_out
     nisa.tensor_tensor(dst=a, data1=act, data2=up, op=nl.multiply, engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=d_up_out, data1=d_act, data2=act, op=nl.multiply)
     d_gate = nl.ndarray((rows, cols), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=d_gate, data1=d_act, data2=up, op=nl.multiply)
+    for dst, other in ((d_up_out, act), (d_gate, up)):
+        if scale is None:
+            nisa.tensor_tensor(dst=dst, data1=d_act, data2=other, op=nl.multiply)
+        else:
+            nisa.scalar_tensor_tensor(
+                dst=dst, data=d_act, op0=nl.multiply, operand0=scale, op1=nl.multiply, operand1=other
+            )
     nisa.tensor_tensor(dst=d_gate_out, data1=d_gate, data2=grad, op=nl.multiply, engine=nisa.engine.gpsimd)
     return a
 

@@ -97,13 +97,21 @@ Backward tiling plan (per used block, token-major: a token tile's slots on parti
          added into the part's da in SBUF (fp32). The next part's step 1 runs beside this part's step
          2, a slice of hidden tiles after each intermediate tile, so the down weight's reads spread
          over the part instead of stalling TensorE at its start.
-      2. per intermediate tile: its gate and up rows are read in 8 KiB rows and transposed on TensorE
-         (each in turn, for g and u per token tile, x^T stationary); a, dg, du come from da times the
-         routing weight (``mlp._elementwise_grads``: ScalarE, VectorE, GpSimd) and the routing weight's
-         gradient adds a . da; dg and du are transposed and dx's sums add dg Wg + du Wu (the rows as
-         read are the moving operand); dWg's and dWu's rows sum over the token tiles in PSUM (dg, du
-         stationary, x's rows moving) and are written in 4 KiB row segments, the earlier blocks' sums
-         (a continuing block) read a segment ahead, the first while the tile computes.
+      2. per intermediate tile: its gate and up rows are read in 8 KiB rows and transposed on TensorE.
+         With ``paired`` (:func:`backward_part_plan`: when SBUF holds both transposes) they sit side by
+         side, one moving operand of 2 * 128 columns, so g and u of a token tile (x^T stationary) take
+         one matmul per hidden tile into one PSUM tile and one eviction; otherwise one matmul each.
+         (The token tiles cannot be the moving operand here: a block of this layout often has only one
+         or two, and TensorE's 128x128 transposes of the weights, which no layout avoids, stay.) a, dg,
+         du come from da and the routing weight (``mlp._elementwise_grads``: ScalarE, VectorE, GpSimd;
+         the weight folded into VectorE's two products with da, a written straight into the part's
+         buffer); each tile's share of the routing weight's gradient, a . da, goes to its own column
+         and the part's shares are summed into it once per part. dg and du are transposed (into one
+         PSUM bank, one eviction, when the tile is whole) and dx's sums add dg Wg + du Wu (the rows as
+         read are the moving operand, 512 columns); dWg's and dWu's rows sum over the token tiles in
+         PSUM (dg, du stationary, x's rows moving, 512 columns) and are written in 4 KiB row segments,
+         the earlier blocks' sums (a continuing block) read a segment ahead, the first while the tile
+         computes.
       3. dWd for the part, per hidden tile: dy_e's rows stationary, a moving, summed over the token
          tiles in PSUM, written as [hidden tile, part] segments.
     Every used block reads its expert's weights once, gate/up rows two tiles ahead when SBUF allows.
@@ -568,10 +576,11 @@ def _grad_row_columns(hidden, dtype):
     return min(hidden, SATURATING_ROW_BYTES // itemsize(dtype))
 
 
-def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
+def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead, paired):
     """SBUF per partition of a block of ``block_tiles`` token tiles with parts of up to ``width``
     intermediate columns (``ahead``: 1 when the next intermediate tile's gate/up rows are read while
-    this one's are in use)."""
+    this one's are in use; ``paired``: 1 when an intermediate tile's gate and up rows are transposed side
+    by side, one moving operand for g and u)."""
     size = itemsize(dtype)
     h_cols = ceil_div(hidden, P) * P
     part = min(width, ceil_div(inter, P) * P)
@@ -580,13 +589,14 @@ def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
         + 2 * hidden * size  # x's and dy_e's rows
         + 4 * hidden  # dx's sums
         + part * (4 + size)  # the part's da (fp32) and a
+        + 4 * part // P  # the part's shares of the routing weight's gradient
         + 4 * P * size  # g, u, dg, du of an intermediate tile
         + 2 * 4  # the routing weight and its gradient's sum
     )
     fixed = (
         SBUF_RESERVE
         + (2 + 2 * ahead) * hidden * size  # gate and up rows in use (and the next tile's)
-        + h_cols * size  # one of them transposed
+        + (1 + paired) * h_cols * size  # one of them transposed, or both side by side
         + (DOWN_GROUP + DOWN_PREFETCH) * part * size  # down-weight row segments in use and in flight
         # weight-gradient row segments: the one being written and the earlier blocks' sums of it and of the
         # next (read a segment ahead), for gate/up's rows and for dWd's
@@ -597,12 +607,20 @@ def _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead):
 
 
 def backward_part_plan(tile, block_tiles, hidden, inter, dtype, sbuf_bytes):
-    """(width, ahead): the widest part (a power of two of columns, at most :func:`backward_part_width`)
-    that fits ``sbuf_bytes``, and 1 when reading gate/up rows ahead fits beside it too; None if none fits."""
+    """(width, ahead, paired): the widest part (a power of two of columns, at most
+    :func:`backward_part_width`) that fits ``sbuf_bytes``; ``paired`` 1 when an intermediate tile's gate
+    and up rows transposed side by side fit beside it (g and u from one matmul per hidden tile and token
+    tile, twice the moving columns: half the matmuls), then ``ahead`` 1 when reading gate/up rows ahead
+    fits beside those too; None if no part fits."""
+
+    def fits(width, ahead, paired):
+        return _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, ahead, paired) <= sbuf_bytes
+
     width = backward_part_width(dtype)
     while width >= P:
-        if _backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, 0) <= sbuf_bytes:
-            return width, int(_backward_sbuf_bytes(tile, block_tiles, hidden, inter, dtype, width, 1) <= sbuf_bytes)
+        if fits(width, 0, 0):
+            paired = int(fits(width, 0, 1))
+            return width, int(fits(width, 1, paired)), paired
         width //= 2
     return None
 
@@ -646,13 +664,14 @@ class _BackwardBlock(nl.NKIObject):
 
 class _Part(nl.NKIObject):
     """A run of intermediate tiles ((start, size) each): its first column and width, its da (fp32, summed
-    over the hidden tiles) and a, token-major, ``width`` columns per token tile; ``started`` once a
-    group of hidden tiles has written da (later groups add to it)."""
+    over the hidden tiles) and a, token-major, ``width`` columns per token tile, and each intermediate
+    tile's share of the routing weights' gradients (fp32, a column per intermediate tile and token tile);
+    ``started`` once a group of hidden tiles has written da (later groups add to it)."""
 
-    def __init__(self, intermediate_tiles, da, act):
+    def __init__(self, intermediate_tiles, da, act, shares):
         self.first = intermediate_tiles[0][0]
         self.cols = intermediate_tiles[-1][0] + intermediate_tiles[-1][1] - self.first
-        self.tiles, self.da, self.act = intermediate_tiles, da, act
+        self.tiles, self.da, self.act, self.shares = intermediate_tiles, da, act, shares
         self.started = False
 
 
@@ -687,15 +706,18 @@ class _Grads(nl.NKIObject):
 
     Token-major buffers put token tile j's slots on partitions and its columns at j * (row width):
     ``x_rows``/``dy_rows`` [tile, block tiles * H] (dy_e = w * dy), ``dx_sums`` (fp32), ``weight`` and
-    ``d_weight`` (one fp32 column per tile); per part (:class:`_Part`) da and a, ``width`` per tile; per
-    intermediate tile g, u and dg, du, 2 * 128 per tile (fresh buffers: the next tile's need not wait
-    for this one's last reads). Feature-major: ``x_t``/``dy_t`` [128, H tiles, block tiles * tile]."""
+    ``d_weight`` (one fp32 column per tile); per part (:class:`_Part`) da and a, ``width`` per tile, and the
+    routing-weight gradient's shares; per intermediate tile g, u (u right after g's columns, as one
+    paired matmul leaves them) and dg, du (128 apart: a whole tile's pair is transposed in one call), 2 * 128 per
+    tile (fresh buffers: the next tile's need not wait for this one's last reads). Feature-major:
+    ``x_t``/``dy_t`` [128, H tiles, block tiles * tile]."""
 
     def __init__(self, dy, x, w_gate_up, w_down, tables, outputs, plan, activation):
         self.dy, self.x, self.w_gate_up, self.w_down = dy, x, w_gate_up, w_down
         self.slot_token, self.slot_row, self.slot_weight = tables
         self.rows_out, self.d_weight_out, self.dw_gate_up, self.dw_down = outputs
-        self.tile, self.block_tiles, self.width, self.ahead = plan
+        self.tile, self.block_tiles, self.width, self.ahead, self.paired = plan
+        self.part_tiles = self.width // P  # intermediate tiles of a whole part
         self.activation = activation
         self.hidden = x.shape[1]
         self.inter = w_down.shape[2]
@@ -774,7 +796,17 @@ class _Grads(nl.NKIObject):
             intermediate_tiles,
             nl.ndarray((tile, bt * width), nl.float32, buffer=nl.sbuf),
             nl.ndarray((tile, bt * width), self.dtype, buffer=nl.sbuf),
+            nl.ndarray((tile, bt * self.part_tiles), nl.float32, buffer=nl.sbuf),
         )
+
+    def add_weight_grad_shares(self, blk, part):
+        """Each token tile's routing-weight gradients += the sum of the part's shares (one reduce per part)."""
+        tile, n = self.tile, len(part.tiles)
+        for j in nl.dynamic_range(blk.used_tiles):
+            total = nl.ndarray((tile, 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=total, op=nl.add, data=part.shares[:, nl.ds(j * self.part_tiles, n)], axis=1)
+            d_weight = self.d_weight[:, nl.ds(j, 1)]
+            nisa.tensor_tensor(dst=d_weight, data1=d_weight, data2=total, op=nl.add)
 
     def accumulate_da(self, blk, part, h_slice, stream):
         """Step 1 over some hidden tiles (``h_slice``: index, start, size): da += dy[:, h] Wd[h, part]
@@ -798,18 +830,32 @@ class _Grads(nl.NKIObject):
                         self.evictions.evict(da, acc)
             part.started = True
 
-    def _project(self, blk, rows, isz, gate_up, kind):
-        """g (kind 0) or u (kind 1) of one intermediate tile for every token tile, from its weight rows."""
-        tile = self.tile
-        rows_t = nl.ndarray((P, ceil_div(self.hidden, P), isz), self.dtype, buffer=nl.sbuf)
-        _transpose_rows_into(rows_t, rows, isz, self.hidden, self.dtype, self.evictions)
-        for j in nl.dynamic_range(blk.used_tiles):
-            acc = nl.ndarray((tile, isz), nl.float32, buffer=nl.psum)
-            for k, (_, hsz) in enumerate(tiles(self.hidden, P)):
-                nisa.nc_matmul(
-                    dst=acc, stationary=self.x_t[:hsz, k, nl.ds(j * tile, tile)], moving=rows_t[:hsz, k, :isz]
+    def _project(self, blk, w_gate, w_up, isz, gate_up):
+        """g and u of one intermediate tile for every token tile, from its gate and up rows: token tile j's
+        g at gate_up's columns j * 256 + [0, isz), its u right after. Paired (:func:`backward_part_plan`),
+        both rows transposed side by side are one moving operand of 2 * isz columns; else one each."""
+        tile, hidden, dtype, h_tiles = self.tile, self.hidden, self.dtype, ceil_div(self.hidden, P)
+        if self.paired:
+            both_t = nl.ndarray((P, h_tiles, 2 * isz), dtype, buffer=nl.sbuf)
+            for half, rows in enumerate((w_gate, w_up)):
+                _transpose_rows_into(
+                    both_t[:, :, half * isz : (half + 1) * isz], rows, isz, hidden, dtype, self.evictions
                 )
-            self.evictions.evict(gate_up[:, nl.ds(j * 2 * P + kind * P, isz)], acc)
+            groups = [(both_t, 0, 2 * isz)]
+        else:
+            groups = []
+            for half, rows in enumerate((w_gate, w_up)):
+                rows_t = nl.ndarray((P, h_tiles, isz), dtype, buffer=nl.sbuf)
+                _transpose_rows_into(rows_t, rows, isz, hidden, dtype, self.evictions)
+                groups.append((rows_t, half * isz, isz))
+        for moving_t, c0, cols in groups:
+            for j in nl.dynamic_range(blk.used_tiles):
+                acc = nl.ndarray((tile, cols), nl.float32, buffer=nl.psum)
+                for k, (_, hsz) in enumerate(tiles(hidden, P)):
+                    nisa.nc_matmul(
+                        dst=acc, stationary=self.x_t[:hsz, k, nl.ds(j * tile, tile)], moving=moving_t[:hsz, k, :cols]
+                    )
+                self.evictions.evict(gate_up[:, nl.ds(j * 2 * P + c0, cols)], acc)
 
     def intermediate_tile(self, blk, part, i0, isz, stream):
         """Step 2 for one intermediate tile of ``part``; the first of the intermediate starts dx's sums."""
@@ -824,17 +870,14 @@ class _Grads(nl.NKIObject):
         upcoming = self._read_earlier(blk, self.dw_gate_up, regions[0])  # read while the tile computes
         gate_up = nl.ndarray((tile, self.block_tiles * 2 * P), dtype, buffer=nl.sbuf)
         grads = nl.ndarray((tile, self.block_tiles * 2 * P), dtype, buffer=nl.sbuf)  # dg, du
-        self._project(blk, w_gate, isz, gate_up, 0)
-        self._project(blk, w_up, isz, gate_up, 1)
+        self._project(blk, w_gate, w_up, isz, gate_up)
         for j in nl.dynamic_range(blk.used_tiles):
             pair = j * 2 * P
             da = part.da[:, nl.ds(j * width + column, isz)]
-            d_act = nl.ndarray((tile, isz), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=d_act, data=da, op0=nl.multiply, operand0=self.weight[:, nl.ds(j, 1)])
             a = _elementwise_grads(
-                d_act,
+                da,
                 gate_up[:, nl.ds(pair, isz)],
-                gate_up[:, nl.ds(pair + P, isz)],
+                gate_up[:, nl.ds(pair + isz, isz)],
                 grads[:, nl.ds(pair, isz)],
                 grads[:, nl.ds(pair + P, isz)],
                 tile,
@@ -842,20 +885,24 @@ class _Grads(nl.NKIObject):
                 self.activation,
                 dtype,
                 self.ones,
+                scale=self.weight[:, nl.ds(j, 1)],
+                a_out=part.act[:, nl.ds(j * width + column, isz)],
             )
-            nisa.tensor_copy(dst=part.act[:, nl.ds(j * width + column, isz)], src=a, engine=nisa.engine.gpsimd)
-            # the routing weight's gradient: a . da, over the intermediate
+            # the routing weight's gradient: a . da over the intermediate, this tile's share in its column
+            # of the part's shares (summed into d_weight once per part, :meth:`add_weight_grad_shares`)
             product = nl.ndarray((tile, isz), nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=product, data1=a, data2=da, op=nl.multiply, engine=nisa.engine.gpsimd)
-            share = nl.ndarray((tile, 1), nl.float32, buffer=nl.sbuf)
+            share = part.shares[:, nl.ds(j * self.part_tiles + column // P, 1)]
             nisa.tensor_reduce(dst=share, op=nl.add, data=product, axis=1)
-            d_weight = self.d_weight[:, nl.ds(j, 1)]
-            nisa.tensor_tensor(dst=d_weight, data1=d_weight, data2=share, op=nl.add)
-            # dx's sums += dg Wg + du Wu, contracting over the tile's intermediate rows
+            # dx's sums += dg Wg + du Wu, contracting over the tile's intermediate rows; dg and du transposed
+            # into one PSUM bank (one eviction) when the tile is whole
             grads_t = nl.ndarray((P, 2, tile), dtype, buffer=nl.sbuf)
-            for kind in range(2):
-                src = grads[:, nl.ds(pair + kind * P, isz)]
-                _transpose_rows_into(grads_t[:, kind : kind + 1, :], src, tile, isz, dtype, self.evictions)
+            if isz == P:
+                _transpose_rows_into(grads_t, grads[:, nl.ds(pair, 2 * P)], tile, 2 * P, dtype, self.evictions)
+            else:
+                for kind in range(2):
+                    src = grads[:, nl.ds(pair + kind * P, isz)]
+                    _transpose_rows_into(grads_t[:, kind : kind + 1, :], src, tile, isz, dtype, self.evictions)
             for c0, csz in tiles(hidden, MOVING_COLUMNS):
                 acc = nl.ndarray((tile, csz), nl.float32, buffer=nl.psum)
                 for kind, rows in enumerate((w_gate, w_up)):
@@ -983,8 +1030,8 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
     the per-token sum of dx's k rows last.
 
     Engine plan
-        TensorE: x, dy, weight and dg/du transposes and the eight products (g, u, da, dx twice, dWg,
-        dWu, dWd). ScalarE: the activation and its derivative, half the evictions. VectorE: the products
+        TensorE: x, dy, weight and dg/du transposes and the products (g and u, one matmul when paired,
+        da, dx twice, dWg, dWu, dWd). ScalarE: the activation and its derivative, half the evictions. VectorE: the products
         with da, dx's sums, the routing-weight scaling, half the evictions. GpSimd: SBUF-only products.
         DMA: gathers/scatters (indirect), weight rows, weight-gradient rows.
     """
@@ -1001,7 +1048,7 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
         raise ValueError(f"moe_experts backward: expert_idle of shape {tuple(expert_idle.shape)} is not ({experts}, 1)")
     block_tiles = block // tile
     plan = backward_part_plan(tile, block_tiles, hidden, inter, dtype, nl.tile_size.total_available_sbuf_size)
-    width, ahead = plan if plan is not None else (P, 0)
+    width, ahead, paired = plan if plan is not None else (P, 0, 0)
     i_tiles = list(tiles(inter, P))
     n_part = min(len(i_tiles), width // P)
     parts = [i_tiles[k : k + n_part] for k in range(0, len(i_tiles), n_part)]
@@ -1018,7 +1065,7 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
         w_down,
         tables,
         (rows_out, d_weight, dw_gate_up, dw_down),
-        (tile, block_tiles, width, ahead),
+        (tile, block_tiles, width, ahead, paired),
         activation,
     )
     info = nl.ndarray((1, BLOCK_FIELDS), nl.int32, buffer=nl.sbuf)
@@ -1040,6 +1087,7 @@ def moe_bwd(dy, x, w_gate_up, w_down, block_info, slot_token, slot_row, slot_wei
                     grads.intermediate_tile(blk, part, i0, isz, stream)
                     if upcoming is not None:
                         grads.accumulate_da(blk, upcoming, slices[t], stream)
+                grads.add_weight_grad_shares(blk, part)
                 grads.down_weight_grad(blk, part)
                 part = upcoming
             grads.scatter(blk)

@@ -3,7 +3,7 @@ bf16 error), ragged groups (an expert with no token, one with a single token, gr
 blocks and token tiles), sizes off multiples of 128, gradients (non-zero, then compared; top-1, 2 and 4,
 experts over several backward blocks, masked choices), the block layout, the kernels' multi-part paths
 and skipped experts, the forward's matmuls over runs of 4, 2 and 1 token tiles (each run computed, up to
-512 moving columns), the torch.library contract, torch.compile, and bad input."""
+512 moving columns), the backward's g and u projections (paired in one matmul, and apart), the torch.library contract, torch.compile, and bad input."""
 
 from collections import Counter
 
@@ -117,13 +117,14 @@ def _assert_grads_match(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * w.abs().max(), msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("ahead", [0, 1])
-def test_backward_over_several_blocks_and_parts_per_expert(monkeypatch, ahead):
+@pytest.mark.parametrize("ahead, paired", [(0, 0), (1, 0), (0, 1)])
+def test_backward_over_several_blocks_and_parts_per_expert(monkeypatch, ahead, paired):
     """Blocks of one token tile, so each expert's ~200 choices span two blocks (the weight gradients'
     read-back and add) with a partial last tile, and parts of one intermediate tile (several parts, each
-    one's da formed beside the last one's tiles), with and without gate/up rows read ahead."""
+    one's da formed beside the last one's tiles), with and without gate/up rows read ahead, with g and u
+    projected apart and side by side (a full intermediate tile and the partial last one)."""
     monkeypatch.setattr(moe_kernels, "backward_block_plan", lambda tokens, *_: (min(128, tokens), 1))
-    monkeypatch.setattr(moe_kernels, "backward_part_plan", lambda *_: (128, ahead))
+    monkeypatch.setattr(moe_kernels, "backward_part_plan", lambda *_: (128, ahead, paired))
     shape = (300, 130, 260, 3, 2)
     args = _inputs(shape, torch.float32, seed=3)
     layout = routing_layout(args[1], args[2], 3, 130, 260, torch.float32, backward=True)
@@ -278,6 +279,24 @@ def test_forward_matmuls_move_up_to_512_token_columns():
     (trace,) = traces
     moving = Counter(i.attrs["N"] for i in trace.instructions if i.op == "nc_matmul")
     assert moving == {512: 3, 256: 3, 128: 3 + 3}
+
+
+@pytest.mark.parametrize("paired", [1, 0])
+def test_backward_projects_g_and_u_in_one_matmul_per_hidden_tile(monkeypatch, paired):
+    """Paired (the plan's choice when SBUF allows), an intermediate tile's gate and up rows are one moving
+    operand: one token tile, two hidden tiles (128 + 72), one intermediate tile of 96, so g and u take two
+    192-column matmuls; apart, four of 96. The other products: da and dWd two of the part's 96 columns
+    each, dx and dWg/dWu two of the hidden's 200 each; the gradients match either way."""
+    plan = moe_kernels.backward_part_plan
+    monkeypatch.setattr(moe_kernels, "backward_part_plan", lambda *a: plan(*a)[:2] + (paired,))
+    args = _top1_inputs([100], 200, 96)
+    grad_out = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(8))
+    with sim.capture() as traces:
+        got = _grads(moe_experts, args, "silu", grad_out)
+    (trace,) = [t for t in traces if t.kernel == "moe_bwd"]
+    moving = Counter(i.attrs["N"] for i in trace.instructions if i.op == "nc_matmul")
+    assert moving == ({96: 4, 192: 2, 200: 4} if paired else {96: 8, 200: 4})
+    _assert_grads_match(got, _grads(moe_experts_reference, args, "silu", grad_out))
 
 
 def test_a_masked_choice_adds_nothing():
