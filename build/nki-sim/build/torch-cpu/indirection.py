@@ -157,7 +157,10 @@ def check_untiled(instr: str, tile_position: Sequence[Any] | None) -> None:
 
 def uses_indirection(*tensors: object) -> bool:
     """Whether any of these operands is an ``.indirect()`` view."""
-    return any(isinstance(t, Tensor) and t._columns is not None for t in tensors)
+    for t in tensors:  # a loop, not any() over a generator: every matmul asks
+        if isinstance(t, Tensor) and t._columns is not None:
+            return True
+    return False
 
 
 def same_index(a: Tensor, b: Tensor) -> bool:

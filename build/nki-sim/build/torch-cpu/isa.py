@@ -576,7 +576,7 @@ def nc_matmul(
     writers = dst.psum_writers().reshape(m, n)
     # The writer codes are ordered (unwritten < by matmul < by another instruction), so one reduction
     # tells both whether any element was written and whether another instruction wrote one.
-    latest_writer = int(writers.max())
+    latest_writer = int(_highest(writers, axis=None))
     accumulates = latest_writer != runtime.PSUM_UNWRITTEN if accumulate is None else bool(accumulate)
     if accumulates:
         # Every element the rules concern is one this matmul adds to (all of them with accumulate=True;
@@ -619,6 +619,9 @@ def nc_matmul(
         row_size=row_size,
         transpose=bool(is_transpose),
     )
+
+
+_highest = np.maximum.reduce  # ndarray.max without its Python wrapper (numpy's _methods._amax)
 
 
 def _check_matmul_indirection(

@@ -263,12 +263,16 @@ def _union_bytes(boxes: list[tuple[int, int, int, int]]) -> int:
     return fullest
 
 
+# Region(...) without the NamedTuple constructor's argument handling: every view of a tile makes one.
+_new_region = tuple.__new__
+
+
 def box_of(buf: Buffer, view: np.ndarray, start: int) -> Region:
     """The partition/byte box ``view`` touches inside ``buf``'s own storage; its first element lies
     ``start`` bytes into that storage."""
     shape, strides = view.shape, view.strides
     if 0 in shape:
-        return Region(buf.id, 0, 0, 0, 0)
+        return _new_region(Region, (buf.id, 0, 0, 0, 0))
     # The bytes one partition's elements span, relative to the view's first element (the free dims; a
     # negative stride reaches below it), then the partition dim's span on top.
     free_lo, free_hi = 0, view.itemsize
@@ -280,13 +284,13 @@ def box_of(buf: Buffer, view: np.ndarray, start: int) -> Region:
     span = (shape[0] - 1) * strides[0] if shape else 0
     lo, hi = start + free_lo + min(span, 0), start + free_hi + max(span, 0)
     if not buf.on_chip:
-        return Region(buf.id, 0, 1, lo, hi)
+        return _new_region(Region, (buf.id, 0, 1, lo, hi))
     row = buf.partition_bytes
     p0, p1 = lo // row, (hi - 1) // row + 1
     if p1 - p0 == 1:
-        return Region(buf.id, p0, p1, lo - p0 * row, hi - p0 * row)
+        return _new_region(Region, (buf.id, p0, p1, lo - p0 * row, hi - p0 * row))
     first = start % row
-    return Region(buf.id, p0, p1, max(first + free_lo, 0), min(first + free_hi, row))
+    return _new_region(Region, (buf.id, p0, p1, max(first + free_lo, 0), min(first + free_hi, row)))
 
 
 def region_of(buf: Buffer, view: np.ndarray, start: int) -> Region:
@@ -298,7 +302,7 @@ def region_of(buf: Buffer, view: np.ndarray, start: int) -> Region:
     if placement is None:
         return box
     p, b = placement.partition, placement.byte
-    return Region(placement.memory_id, box.p0 + p, box.p1 + p, box.b0 + b, box.b1 + b)
+    return _new_region(Region, (placement.memory_id, box.p0 + p, box.p1 + p, box.b0 + b, box.b1 + b))
 
 
 def _touched(t: Tensor) -> tuple[Any, Any] | None:

@@ -43,11 +43,14 @@ def where(t: Tensor, instr: str, role: str, allowed: Sequence[str]) -> None:
 def compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str] = ("sbuf", "psum")) -> Tensor:
     """Checks for an operand a compute engine reads or writes (an ``.indirect()`` view comes back bound to
     the engine's partition groups)."""
-    t = tile(t, instr, role)
-    if t._columns is not None:
-        t = indirection.bind(t, instr, role, eng)
-    where(t, instr, role, allowed)
-    if eng == "gpsimd" and t.buffer == "psum":
+    if type(t) is not Tensor or t._indirect is not None or t._columns is not None:  # the uncommon operands
+        t = tile(t, instr, role)
+        if t._columns is not None:
+            t = indirection.bind(t, instr, role, eng)
+    kind = t._buf.kind
+    if kind not in allowed:  # where() maps the HBM kinds to "hbm"
+        where(t, instr, role, allowed)
+    if eng == "gpsimd" and kind == "psum":
         raise rule(instr, role, "the GpSimd engine cannot access PSUM")
     parts = t.partition_size
     if parts > PE_ARRAY:  # every generation has 128 partitions
@@ -78,16 +81,17 @@ def compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str]
             start_partition=start,
             partitions=parts,
         )
-    limit = VECTOR_FREE_MAX_PSUM if t.buffer == "psum" else VECTOR_FREE_MAX_SBUF
-    if eng in ("vector", "scalar", "gpsimd") and t.free_size > limit:
-        raise rule(
-            instr,
-            role,
-            f"free size exceeds the {t.buffer.upper()} per-instruction limit",
-            free_elements=t.free_size,
-            limit=limit,
-        )
-    dims = free_pattern_dims(t) if t.ndim > ACCESS_PATTERN_MAX_FREE_DIMS + 1 else 0
+    if eng != "tensor":
+        limit = VECTOR_FREE_MAX_PSUM if kind == "psum" else VECTOR_FREE_MAX_SBUF
+        if eng in ("vector", "scalar", "gpsimd") and t.free_size > limit:
+            raise rule(
+                instr,
+                role,
+                f"free size exceeds the {kind.upper()} per-instruction limit",
+                free_elements=t.free_size,
+                limit=limit,
+            )
+    dims = free_pattern_dims(t) if t._view.ndim > ACCESS_PATTERN_MAX_FREE_DIMS + 1 else 0
     if dims > ACCESS_PATTERN_MAX_FREE_DIMS:
         raise rule(
             instr,
@@ -156,7 +160,9 @@ def scalar_or_vector_values(x: Any) -> np.ndarray | float:
 
 
 def engine_for(requested: Any, instr: str, allowed: Sequence[str], default: str) -> str:
-    name = engine(requested if requested is not None else "unknown").name
+    if requested is engine.unknown or requested is None:  # the default: no enum conversion (a hot path)
+        return default
+    name = engine(requested).name
     if name == "unknown":
         return default
     if name not in allowed:

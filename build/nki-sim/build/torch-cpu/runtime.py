@@ -186,21 +186,27 @@ class Run:
         writes = [(role, t) for role, t in writes if t is not None]
         streamed = writes + reads
         partitions = free = 0
-        # The offsets of an .indirect() view, and the vector_offset rows of a DMA gather or scatter, are inputs
-        # of the instruction that uses them.
-        column_indexes: list[tuple[str, Tensor]] = []
-        row_indexes: list[tuple[str, Tensor]] = []
+        new_operand = tuple.__new__  # Operand(...) without its keyword-handling constructor: hot path
+        name = dtypes.name
+        operands = []
+        indirect = False
         for role, t in streamed:
-            size = t._view.size
+            view = t._view
+            size = view.size
             if size > partitions * free:  # the widest operand the engine streams
                 partitions = t.partition_size
                 free = size // max(partitions, 1)
-            if t._columns is not None:
-                column_indexes.append((f"{role}_index", t._columns.index))
-            if t._indirect is not None:
-                row_indexes.append((f"{role}_vector_offset", t._indirect.index))
-        indexes = column_indexes + row_indexes
-        reads += indexes
+            operands.append(new_operand(Operand, (role, view.shape, name(t._dtype), t._buf.kind)))
+            indirect = indirect or t._columns is not None or t._indirect is not None
+        if indirect:
+            # The offsets of an .indirect() view, and the vector_offset rows of a DMA gather or scatter, are
+            # inputs of the instruction that uses them.
+            indexes = [(f"{role}_index", t._columns.index) for role, t in streamed if t._columns is not None]
+            indexes += [(f"{role}_vector_offset", t._indirect.index) for role, t in streamed if t._indirect is not None]
+            reads += indexes
+            operands += [
+                new_operand(Operand, (role, t._view.shape, name(t._dtype), t._buf.kind)) for role, t in indexes
+            ]
         if not self.numerics:
             uncomputed = self.uncomputed
             for _, t in reads:
@@ -211,27 +217,24 @@ class Run:
                         self.mark_uncomputed(written._buf)
                     break
         self.memory.touch(op, reads, writes, len(self.trace.instructions))
-        new_operand = tuple.__new__  # Operand(...) without its keyword-handling constructor: hot path
-        operands = tuple(
-            [
-                new_operand(Operand, (role, t._view.shape, dtypes.name(t._dtype), t._buf.kind))
-                for role, t in streamed + indexes
-            ]
-        )
         hbm_read = hbm_written = 0
+        read_regions = []
         for _, t in reads:
             if t._buf.kind in HBM_KINDS:
                 hbm_read += t.nbytes
+            read_regions.append(t.region())
+        write_regions = []
         for _, t in writes:
             if t._buf.kind in HBM_KINDS:
                 hbm_written += t.nbytes
+            write_regions.append(t.region())
         inst = Instruction(
             len(self.trace.instructions),
             engine,
             op,
-            operands,
-            tuple([t.region() for _, t in reads]),
-            tuple([t.region() for _, t in writes]),
+            tuple(operands),
+            tuple(read_regions),
+            tuple(write_regions),
             partitions,
             free,
             bytes_moved,

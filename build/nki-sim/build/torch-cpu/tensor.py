@@ -468,6 +468,15 @@ class Tensor:
             if isinstance(k, DynSlice):
                 k = k.as_slice()
             if isinstance(k, slice):
+                start, stop = k.start, k.stop
+                if k.step is None and (start is None or type(start) is int) and (stop is None or type(stop) is int):
+                    first = 0 if start is None else start
+                    if 0 <= first < (n if stop is None else stop) <= n:  # in bounds as written: NumPy takes it as is
+                        out.append(k)
+                        skipped += first * strides[dim]
+                        if dim:
+                            free_sliced = True
+                        continue
                 k = _checked_slice(k, n, dim, self)
                 out.append(k)
                 skipped += k.start * strides[dim]
@@ -918,7 +927,7 @@ def _same_view(target: np.ndarray, buf: Buffer, view: np.ndarray, offset: int) -
     scale_from, scale_to = base.itemsize, target.itemsize
     # A dtype-reinterpreting view only happens on whole rows; map bytes to base elements.
     elem = offset // scale_from
-    strides = tuple(s * scale_to // scale_from for s in view.strides)
+    strides = tuple([s * scale_to // scale_from for s in view.strides])
     shape = view.shape
     if view.itemsize != base.itemsize:
         ratio = view.itemsize / base.itemsize
