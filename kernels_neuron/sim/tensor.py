@@ -340,7 +340,7 @@ class Tensor:
             raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
         self._view[...] = dtypes.cast(values, self._dtype).reshape(self.shape)
         if self._buf.written is not None:
-            self._written_view()[...] = psum_writer
+            self._mark_written(psum_writer)
 
     def write_uncomputed(self, instruction: str = "write", psum_writer: int = PSUM_BY_OTHER) -> None:
         """What :meth:`write` does in a trace-only run (``numerics=False``), where the instruction
@@ -352,11 +352,11 @@ class Tensor:
             if not target._view.flags.writeable:
                 raise rule(instruction, "dst", "cannot write through a broadcast view", shape=target.shape)
             if target._buf.written is not None:
-                marks = target._written_view()
                 if columns.index_known():
-                    marks[columns.targets()] = psum_writer
+                    target._written_view()[columns.targets()] = psum_writer
+                    target._buf.note_partial_write(psum_writer)
                 else:
-                    marks[...] = psum_writer
+                    target._mark_written(psum_writer)
             runtime.current().mark_uncomputed(target._buf)
             return
         # An indirect access (a scatter) is a read-only shape view on purpose; it writes HBM, which keeps
@@ -364,7 +364,7 @@ class Tensor:
         if self._indirect is None and not self._view.flags.writeable:
             raise rule(instruction, "dst", "cannot write through a broadcast view", shape=self.shape)
         if self._buf.written is not None:
-            self._written_view()[...] = psum_writer
+            self._mark_written(psum_writer)
         runtime.current().mark_uncomputed(self._buf)
 
     def computed_values(self, instruction: str, role: str) -> np.ndarray:
@@ -378,6 +378,16 @@ class Tensor:
                 "run it with numerics=True"
             )
         return self._view
+
+    def _mark_written(self, psum_writer: int) -> None:
+        """Record that ``psum_writer`` wrote every element of this (direct) view of a PSUM tile."""
+        marks = self._written_view()
+        marks[...] = psum_writer
+        buf = self._buf
+        if marks.size == buf.written.size:  # type: ignore[union-attr]  # PSUM: the view covers the whole tile
+            buf.uniform_writer = psum_writer
+        else:
+            buf.note_partial_write(psum_writer)
 
     def _written_view(self) -> np.ndarray:
         """A PSUM tile's bookkeeping (``Buffer.written``) for this view's elements; made once per view."""
@@ -403,10 +413,16 @@ class Tensor:
         target._view[where] = dtypes.cast(values, self._dtype).reshape(where[0].shape)
         if target._buf.written is not None:
             target._written_view()[where] = psum_writer
+            target._buf.note_partial_write(psum_writer)
 
     def was_written(self) -> np.ndarray:
         """For PSUM tiles: which elements some instruction has written."""
         return self.psum_writers() != PSUM_UNWRITTEN
+
+    def uniform_psum_writer(self) -> int | None:
+        """For PSUM tiles: the writer code every element of the whole tile holds (so every element of this
+        view), or None when they may differ (read :meth:`psum_writers`)."""
+        return self._buf.uniform_writer
 
     def psum_writers(self) -> np.ndarray:
         """For PSUM tiles: what last wrote each element (``runtime.PSUM_UNWRITTEN`` / ``_BY_MATMUL`` / ``_BY_OTHER``)."""

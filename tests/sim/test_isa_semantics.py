@@ -9,6 +9,7 @@ where the engines' fp32 rounding is the contract), never with the simulator's ow
 from __future__ import annotations
 
 import math
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -506,6 +507,48 @@ def test_nc_matmul_accumulate_auto_detect_first_overwrites_then_adds():
     ref2, tol2 = _matmul_ref(a, c)
     assert np.all(np.abs(first - ref1) <= tol1)
     assert np.all(np.abs(total - (ref1 + ref2)) <= tol1 + tol2)
+
+
+def test_nc_matmul_accumulates_by_its_own_view_once_a_tile_holds_mixed_writers():
+    """Whether a matmul accumulates, and whether it warns, comes from its own view's elements, also after
+    different parts of the tile were written by different instructions (a tile whose elements all hold
+    one writer is answered without reading them: this checks the partial writes end that)."""
+    a, b = rand((32, 16), seed=60), rand((32, 24), seed=61)
+
+    def body(s, m):
+        halves = ps((16, 48))  # uninitialized PSUM reads as NaN: a wrong add would poison the result
+        nisa.nc_matmul(dst=halves[:, 0:24], stationary=s, moving=m)  # overwrites
+        nisa.nc_matmul(dst=halves[:, 24:48], stationary=s, moving=m)  # its half is unwritten: overwrites
+        nisa.nc_matmul(dst=halves[:, 0:24], stationary=s, moving=m)  # adds
+        return halves
+
+    result = run_body(body, a, b)
+    reads_dst = ["dst_in" in [op.role for op in i.operands] for i in result.trace if i.op == "nc_matmul"]
+    assert reads_dst == [False, False, True]
+    out = result.outputs
+    ref, tol = _matmul_ref(a, b)
+    assert np.all(np.abs(out[:, :24] - 2 * ref) <= 2 * tol)
+    assert np.all(np.abs(out[:, 24:] - ref) <= tol)
+
+    wide = rand((32, 64), seed=62)
+
+    def partly_memset(onto_memset):
+        def body(s, m):
+            tile = ps((64, 24))
+            nisa.nc_matmul(dst=tile, stationary=s, moving=m)  # the whole tile, by a matmul
+            nisa.memset(dst=tile[0:32, :], value=1.0)  # part of it by another instruction
+            nisa.nc_matmul(dst=tile[0:32, :] if onto_memset else tile[32:64, :], stationary=s[:, 0:32], moving=m)
+            return tile
+
+        return body
+
+    with pytest.warns(sim.AccumulateOntoNonMatmulWarning, match="written by a non-matmul"):
+        run(partly_memset(True), wide, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = run(partly_memset(False), wide, b)
+    ref, tol = _matmul_ref(wide, b)
+    assert np.all(np.abs(out[32:] - (ref[32:] + ref[:32])) <= tol[32:] + tol[:32])
 
 
 def test_nc_matmul_accumulate_explicit_true_and_false():

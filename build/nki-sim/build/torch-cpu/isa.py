@@ -573,16 +573,25 @@ def nc_matmul(
             last_byte=region.b1 - 1,
             bank_bytes=bank,
         )
-    writers = dst.psum_writers().reshape(m, n)
     # The writer codes are ordered (unwritten < by matmul < by another instruction), so one reduction
-    # tells both whether any element was written and whether another instruction wrote one.
-    latest_writer = int(_highest(writers, axis=None))
+    # tells both whether any element was written and whether another instruction wrote one; none is
+    # needed when the whole tile holds one code (a matmul group into a whole tile).
+    latest_writer = dst.uniform_psum_writer()
+    writers = None
+    if latest_writer is None:
+        writers = dst.psum_writers().reshape(m, n)
+        latest_writer = int(_highest(writers, axis=None))
     accumulates = latest_writer != runtime.PSUM_UNWRITTEN if accumulate is None else bool(accumulate)
     if accumulates:
         # Every element the rules concern is one this matmul adds to (all of them with accumulate=True;
         # with None, every written one), so the rules read the whole tile, no masked copy.
-        _check_accumulation(instr, writers, latest_writer, bool(accumulate), target)
+        lowest_writer = None
+        if accumulate:
+            lowest_writer = latest_writer if writers is None else int(writers.min())
+        _check_accumulation(instr, lowest_writer, latest_writer, target)
     if run.numerics:
+        if writers is None:
+            writers = dst.psum_writers().reshape(m, n)
         add = writers != runtime.PSUM_UNWRITTEN if accumulate is None else np.full((m, n), bool(accumulate))
         st, mv = operands.rows(stationary), operands.rows(moving)
         if double_row:
@@ -639,10 +648,10 @@ def _double_row_pairs(values: np.ndarray, k: int) -> np.ndarray:
     return values.reshape(k, 2, -1).transpose(1, 0, 2).reshape(2 * k, -1)
 
 
-def _check_accumulation(instr: str, writers: np.ndarray, latest_writer: int, explicit: bool, target: Any) -> None:
-    """The accumulation rules of nki.isa.nc_matmul's docstring ("Accumulation mode"); ``latest_writer`` is
-    the highest writer code in ``writers``."""
-    if explicit and writers.min() == runtime.PSUM_UNWRITTEN:
+def _check_accumulation(instr: str, lowest_writer: int | None, latest_writer: int, target: Any) -> None:
+    """The accumulation rules of nki.isa.nc_matmul's docstring ("Accumulation mode"), from the lowest and
+    highest writer codes of the elements it adds to (the lowest only with an explicit accumulate=True)."""
+    if lowest_writer == runtime.PSUM_UNWRITTEN:
         warnings.warn(
             f"{instr}: accumulate=True onto PSUM that no matmul has written is undefined behaviour on "
             "every target; start the group with accumulate=False",

@@ -41,6 +41,7 @@ class Buffer:
         "on_chip",
         "partition_bytes",
         "written",
+        "uniform_writer",
         "origin",
         "placement",
         "written_bytes",
@@ -60,12 +61,21 @@ class Buffer:
         self.partition_bytes = (data.nbytes // data.shape[0]) if on_chip and data.ndim else data.nbytes
         # PSUM remembers which instruction kind last wrote each element (PSUM_UNWRITTEN ...).
         self.written = np.zeros(data.shape, dtype=np.uint8) if kind == "psum" else None
+        # The code every element of ``written`` holds, or None once they may differ: a matmul into a whole
+        # tile (the usual accumulation loop) then reads it instead of reducing the codes of its view.
+        self.uniform_writer: int | None = PSUM_UNWRITTEN if kind == "psum" else None
         # Set by nl.matmul so that ``psum_tile += nl.matmul(...)`` can accumulate in place.
         self.origin: tuple | None = None
         self.placement: Placement | None = None
         # For a placed tile: which of its bytes it has written (see memory.OnChipMemory).
         self.written_bytes: np.ndarray | None = None
         self.usage: TileUsage | None = None  # an on-chip tile's span of instructions (memory.py)
+
+    def note_partial_write(self, psum_writer: int) -> None:
+        """``psum_writer`` wrote some of this PSUM tile's elements: unless they all held it already, the
+        codes may now differ."""
+        if self.uniform_writer != psum_writer:
+            self.uniform_writer = None
 
 
 class Run:
