@@ -352,7 +352,9 @@ class Tensor:
             if not target._view.flags.writeable:
                 raise rule(instruction, "dst", "cannot write through a broadcast view", shape=target.shape)
             if target._buf.written is not None:
-                if columns.index_known():
+                if target._buf.uniform_writer == psum_writer:
+                    pass  # every element holds it already
+                elif columns.index_known():
                     target._written_view()[columns.targets()] = psum_writer
                     target._buf.note_partial_write(psum_writer)
                 else:
@@ -381,9 +383,11 @@ class Tensor:
 
     def _mark_written(self, psum_writer: int) -> None:
         """Record that ``psum_writer`` wrote every element of this (direct) view of a PSUM tile."""
+        buf = self._buf
+        if buf.uniform_writer == psum_writer:  # every element holds it already (a matmul group's later steps)
+            return
         marks = self._written_view()
         marks[...] = psum_writer
-        buf = self._buf
         if marks.size == buf.written.size:  # type: ignore[union-attr]  # PSUM: the view covers the whole tile
             buf.uniform_writer = psum_writer
         else:
@@ -411,7 +415,7 @@ class Tensor:
             return
         where = columns.targets()
         target._view[where] = dtypes.cast(values, self._dtype).reshape(where[0].shape)
-        if target._buf.written is not None:
+        if target._buf.written is not None and target._buf.uniform_writer != psum_writer:
             target._written_view()[where] = psum_writer
             target._buf.note_partial_write(psum_writer)
 
