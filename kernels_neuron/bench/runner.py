@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import cost, sim
 from ..sim.dtypes import numpy_to_torch
+from ..sim.gc_pause import collections_paused
 from ..sim.trace import Trace
 from .case import CHECKED, TRACE_ONLY, Case, Record
 
@@ -122,16 +123,7 @@ def run_case(
     stand-in inputs (``Case.make_inputs(seed, values=False)``)."""
     on_device = device_available() if on_device is None else on_device
     inputs = case.make_inputs(seed, values=check_numerics or on_device)
-    wall = 0.0
-    if check_numerics:
-        full, wall = simulate(case, inputs, target, numerics=True)
-    result, trace_only_wall = simulate(case, inputs, target, numerics=False)
-    wall += trace_only_wall
-    if check_numerics:
-        difference = trace_difference(result.trace, full.trace)
-        if difference is not None:
-            raise TraceMismatch(f"{case.name}: {difference}")
-    report = cost.estimate_trace(result.trace, target, flops=case.standard_flops)
+    report, wall = _simulated_and_modelled(case, inputs, target, check_numerics)
     record = Record(
         name=case.name,
         kernel=getattr(case.kernel, "__name__", str(case.kernel)),
@@ -157,6 +149,25 @@ def run_case(
     if on_device:
         record.measured_us, record.reference_measured_us = _measure(case, inputs)
     return record
+
+
+@collections_paused()
+def _simulated_and_modelled(
+    case: Case, inputs: tuple, target: str, check_numerics: bool
+) -> tuple[cost.CostReport, float]:
+    """``run_case``'s simulations and model, and their simulation wall time. The traces are made, modelled
+    and dropped under one pause of the garbage collector, which so never traverses them (see
+    ``sim/gc_pause.py``)."""
+    wall = 0.0
+    if check_numerics:
+        full, wall = simulate(case, inputs, target, numerics=True)
+    result, trace_only_wall = simulate(case, inputs, target, numerics=False)
+    wall += trace_only_wall
+    if check_numerics:
+        difference = trace_difference(result.trace, full.trace)
+        if difference is not None:
+            raise TraceMismatch(f"{case.name}: {difference}")
+    return cost.estimate_trace(result.trace, target, flops=case.standard_flops), wall
 
 
 # Each worker holds torch and one case's trace (about 1.5 GB at most, for the largest MoE case).
