@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from collections.abc import Callable
 
@@ -115,6 +116,10 @@ def _bench(args: argparse.Namespace) -> int:
     from kernels_neuron import bench
     from kernels_neuron.bench.suite import CASES as cases
 
+    # What is imported so far (torch, the kernels, the cases) lives until exit: frozen, the garbage collector
+    # leaves it out, in the forked workers too (whose copies of those pages then stay shared), and so does
+    # the interpreter's exit (about 0.45 s less with torch imported).
+    gc.freeze()
     console = Console(width=None if sys.stdout.isatty() else 220)
     try:
         records = bench.run_suite(
