@@ -24,7 +24,7 @@ from operator import attrgetter
 from typing import Any
 
 from ..sim import run as _simulate
-from ..sim.gc_pause import collections_paused
+from ..sim.gc_pause import full_collections_paused
 from ..sim.trace import Instruction, Trace
 from .hardware import HARDWARE, Hardware, hardware
 from .report import CostReport, CriticalStep
@@ -42,7 +42,7 @@ def estimate(
     return estimate_trace(result.trace, target)
 
 
-@collections_paused()
+@full_collections_paused()
 def estimate_trace(trace: Trace, target: str | None = None, flops: int | None = None) -> CostReport:
     """Model an existing trace. SPMD programs, and the ranks of a multi-rank launch, each run on their own
     NeuronCore, in parallel.

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import cores, dtypes, runtime
 from .errors import NkiValidationError
-from .gc_pause import collections_paused
+from .gc_pause import full_collections_paused
 from .targets import Target, resolve
 from .tensor import Tensor
 from .trace import Trace
@@ -251,7 +251,7 @@ def run_ranks(
     return SimResult(outputs if numerics else None, trace, numerics)
 
 
-@collections_paused()
+@full_collections_paused()
 def _launch_ranks(
     kernel: Kernel,
     inputs: list[tuple[tuple, dict]],

@@ -1,26 +1,25 @@
-"""The garbage collector is off while a simulation or a schedule runs, and comes back after."""
+"""Full garbage collections are put off while a simulation or a schedule runs, and come back after."""
 
 import gc
-import importlib
 import threading
 
 import numpy as np
 import pytest
 
 from kernels_neuron import cost, sim
-from kernels_neuron.sim.gc_pause import collections_paused
+from kernels_neuron.sim.gc_pause import PAUSED_FULL_COLLECTION_INTERVAL, collections_paused, full_collections_paused
 
 sim.install()
 import nki  # noqa: E402
 import nki.isa as nisa  # noqa: E402
 import nki.language as nl  # noqa: E402
 
-SEEN: list[bool] = []
+SEEN: list[tuple[int, ...]] = []
 
 
 @nki.jit
-def copy_noting_the_collector(x):
-    SEEN.append(gc.isenabled())
+def copy_noting_the_threshold(x):
+    SEEN.append(gc.get_threshold())
     tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=tile, src=x)
     out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
@@ -28,63 +27,48 @@ def copy_noting_the_collector(x):
     return out
 
 
-def test_a_run_and_a_schedule_pause_the_collector_and_turn_it_back_on():
-    assert gc.isenabled()  # else the check below could not tell
+def test_a_run_pauses_full_collections_and_restores_the_thresholds():
+    before = gc.get_threshold()
+    assert before[2] < PAUSED_FULL_COLLECTION_INTERVAL  # else the check below could not tell
     SEEN.clear()
     x = np.ones((4, 8), np.float32)
-    result = sim.run(copy_noting_the_collector, x)
+    result = sim.run(copy_noting_the_threshold, x)
     np.testing.assert_array_equal(result.outputs, x)
-    assert SEEN == [False]
-    assert gc.isenabled()
-    scheduling = importlib.import_module("kernels_neuron.cost.schedule")
-    with pytest.MonkeyPatch.context() as patch:
-        seen_by_the_model = []
-        transfer_ns = scheduling.dma_transfer_ns
-        patch.setattr(
-            scheduling, "dma_transfer_ns", lambda *a: seen_by_the_model.append(gc.isenabled()) or transfer_ns(*a)
-        )
-        cost.estimate_trace(result.trace)
-    assert seen_by_the_model and not any(seen_by_the_model)
-    assert gc.isenabled()
+    assert SEEN == [(*before[:2], PAUSED_FULL_COLLECTION_INTERVAL)]
+    assert gc.get_threshold() == before
+    cost.estimate_trace(result.trace)
+    assert gc.get_threshold() == before
 
 
-def test_nested_and_failing_blocks_turn_the_collector_back_on_once_the_outermost_ends():
+def test_nested_and_failing_blocks_restore_the_thresholds_once_the_outermost_ends():
+    before = gc.get_threshold()
     with pytest.raises(RuntimeError):
-        with collections_paused():
-            with collections_paused():
+        with full_collections_paused():
+            with full_collections_paused():
                 pass
-            assert not gc.isenabled()  # the inner exit kept the pause
+            assert gc.get_threshold()[2] == PAUSED_FULL_COLLECTION_INTERVAL  # the inner exit kept the pause
             raise RuntimeError
-    assert gc.isenabled()
-
-
-def test_a_collector_turned_off_before_stays_off():
-    gc.disable()
-    try:
-        with collections_paused():
-            pass
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
+    assert gc.get_threshold() == before
 
 
 def test_threads_share_one_pause():
+    before = gc.get_threshold()
     inside, release = threading.Event(), threading.Event()
 
     def hold():
-        with collections_paused():
+        with full_collections_paused():
             inside.set()
             release.wait()
 
     worker = threading.Thread(target=hold)
     worker.start()
     inside.wait()
-    with collections_paused():
+    with full_collections_paused():
         pass
-    assert not gc.isenabled()  # the other thread still runs paused
+    assert gc.get_threshold()[2] == PAUSED_FULL_COLLECTION_INTERVAL  # the other thread still runs paused
     release.set()
     worker.join()
-    assert gc.isenabled()
+    assert gc.get_threshold() == before
 
 
 def _cyclic_garbage(work) -> list:
@@ -112,9 +96,8 @@ def copy_program_rows(x):
 
 
 def test_finished_runs_leave_no_reference_cycles():
-    """A run's trace (about ten objects per instruction) is freed with the last reference to it: with the
-    collector paused while runs are made, a cycle would keep a finished run's trace in memory until the
-    collector next runs, and have it traverse the trace."""
+    """A run's trace (about ten objects per instruction) is freed with the last reference to it: with
+    full collections paused, a cycle would keep every finished run's trace in memory until one."""
 
     def a_cycle():
         node: list = []
@@ -125,8 +108,38 @@ def test_finished_runs_leave_no_reference_cycles():
     gc.freeze()  # the process's objects so far stay out of the collections below, which then take milliseconds
     try:
         assert _cyclic_garbage(a_cycle)  # the check sees a cycle
-        assert not _cyclic_garbage(lambda: cost.estimate_trace(sim.run(copy_noting_the_collector, x).trace))
+        assert not _cyclic_garbage(lambda: cost.estimate_trace(sim.run(copy_noting_the_threshold, x).trace))
         assert not _cyclic_garbage(lambda: sim.run(copy_program_rows, x, grid=2))
         assert not _cyclic_garbage(lambda: sim.run_ranks(copy_program_rows, [(x,), (x,)], grid=2))
     finally:
         gc.unfreeze()
+
+
+def test_collections_paused_turns_the_collector_off_and_back_on_once_the_outermost_ends():
+    assert gc.isenabled()  # else the checks below could not tell
+    with pytest.raises(RuntimeError):
+        with collections_paused():
+            with collections_paused(), full_collections_paused():
+                pass
+            assert not gc.isenabled()  # the inner exits kept it off
+            raise RuntimeError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collections_paused():
+            pass
+        assert not gc.isenabled()  # a collector off before stays off
+    finally:
+        gc.enable()
+
+
+def test_the_bench_models_a_case_with_the_collector_off(monkeypatch):
+    from kernels_neuron.bench import runner, suite
+
+    seen = []
+    estimate_trace = cost.estimate_trace
+    monkeypatch.setattr(cost, "estimate_trace", lambda *a, **k: seen.append(gc.isenabled()) or estimate_trace(*a, **k))
+    case = suite.rmsnorm_case("rmsnorm-fwd/small", "llama", 8, 128, "llama")
+    runner.run_case(case, on_device=False)
+    assert seen == [False]
+    assert gc.isenabled()
