@@ -19,65 +19,73 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 # Full collections while paused: one per this many young-generation (gen 1) collections, i.e. about
 # one per 7 million allocations with CPython's default thresholds (700, 10, 10).
 PAUSED_FULL_COLLECTION_INTERVAL = 1000
 
-_lock = threading.Lock()
-_depth = 0
-_saved_threshold: tuple[int, ...] = gc.get_threshold()
+
+class _SharedSetting:
+    """A process-wide collector setting that nested blocks, in any threads, share: the first block to
+    enter applies it (``apply`` returns what ``restore`` takes back) and the last to leave restores it."""
+
+    def __init__(self, apply: Callable[[], Any], restore: Callable[[Any], None]) -> None:
+        self._apply, self._restore = apply, restore
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: Any = None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                self._saved = self._apply()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._restore(self._saved)
+
+
+def _put_off_full_collections() -> tuple[int, ...]:
+    saved = gc.get_threshold()
+    gc.set_threshold(saved[0], saved[1], max(saved[2], PAUSED_FULL_COLLECTION_INTERVAL))
+    return saved
+
+
+def _turn_off() -> bool:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    return was_enabled
+
+
+_FULL_COLLECTIONS_PUT_OFF = _SharedSetting(_put_off_full_collections, lambda saved: gc.set_threshold(*saved))
+_COLLECTOR_OFF = _SharedSetting(_turn_off, lambda was_enabled: gc.enable() if was_enabled else None)
 
 
 @contextlib.contextmanager
 def full_collections_paused() -> Iterator[None]:
-    """Run the block with the oldest generation's collections put off (see the module docstring).
-
-    Blocks nest and may run in several threads: the first to enter saves the collector's thresholds
-    and the last to leave restores them."""
-    global _depth, _saved_threshold
-    with _lock:
-        if _depth == 0:
-            _saved_threshold = gc.get_threshold()
-            young, middle = _saved_threshold[:2]
-            gc.set_threshold(young, middle, max(_saved_threshold[2], PAUSED_FULL_COLLECTION_INTERVAL))
-        _depth += 1
-    try:
+    """Run the block (or, as a decorator, the function) with the oldest generation's collections put off
+    (see the module docstring); the young generations keep collecting. Blocks nest and may run in
+    several threads: the first to enter puts them off and the last to leave restores the thresholds."""
+    with _FULL_COLLECTIONS_PUT_OFF():
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                gc.set_threshold(*_saved_threshold)
-
-
-_off_depth = 0
-_was_enabled = True
 
 
 @contextlib.contextmanager
 def collections_paused() -> Iterator[None]:
-    """Run the block with the collector off altogether, young generations included: for a caller that
-    drops what the block made before the block ends, as the bench drops a case's traces once it has
-    modelled them. The collector then never traverses those objects; the young generations'
-    collections during a paused run took about 6% more (``moe-fwd/mixtral-8x7b/2048-tokens-top2``:
-    0.39 s of the simulation, 0.16 s of the scheduling). (Objects the block leaves alive all go to
-    the first collection after it, at once: for a launch whose trace its caller keeps, that costs
-    about what the young collections would have, so launches themselves pause only full collections.)
-
-    Blocks nest and may run in several threads: the first to enter turns the collector off and the last
-    to leave turns it back on, if it was on."""
-    global _off_depth, _was_enabled
-    with _lock:
-        if _off_depth == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _off_depth += 1
-    try:
+    """Run the block (or the function) with the collector off altogether, young generations included: for
+    a caller that drops what the block made before the block ends, as the bench drops a case's traces once
+    it has modelled them. The collector then never traverses those objects; the young generations'
+    collections during a run took about 6% more (``moe-fwd/mixtral-8x7b/2048-tokens-top2``: 0.39 s of
+    the simulation, 0.16 s of the scheduling). Objects the block leaves alive all go to the first
+    collection after it, at once: for a launch whose trace its caller keeps, that costs about what the
+    young collections would have, so launches themselves pause only full collections. Nests as
+    :func:`full_collections_paused` does; a collector that was off stays off."""
+    with _COLLECTOR_OFF():
         yield
-    finally:
-        with _lock:
-            _off_depth -= 1
-            if _off_depth == 0 and _was_enabled:
-                gc.enable()
