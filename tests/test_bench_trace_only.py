@@ -95,7 +95,7 @@ def test_parallel_suite_runs_give_the_serial_records_in_order(monkeypatch):
         bench.run_suite([unpicklable, cases[1]], progress=False, jobs=2)
 
 
-def test_bench_workers_are_forked_here_and_run_torch_on_one_thread():
+def test_bench_workers_are_forked_on_linux_only_and_run_torch_on_one_thread(monkeypatch):
     import torch
 
     from kernels_neuron.bench import runner
@@ -109,6 +109,8 @@ def test_bench_workers_are_forked_here_and_run_torch_on_one_thread():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(parent_threads)
+    monkeypatch.setattr(runner.sys, "platform", "darwin")  # where forking after system frameworks is unsafe
+    assert runner._worker_context().get_start_method() == "spawn"
 
 
 def test_every_suite_case_can_go_to_a_worker_process():

@@ -241,20 +241,20 @@ def run_suite(
 
 
 def _worker_context() -> multiprocessing.context.BaseContext:
-    """How worker processes start: forked where the OS can fork, so that they inherit the imported
-    simulator, kernels and torch (a spawned worker spends about 2 s of CPU importing them again), else
-    spawned."""
-    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    """How worker processes start: forked on Linux, so that they inherit the imported simulator, kernels
+    and torch (a spawned worker spends about 2 s of CPU importing them again); spawned elsewhere, where
+    forking a process that has loaded system frameworks is unsafe (Python's own default on macOS)."""
+    return multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
 def _start_worker() -> None:
-    """A worker's set-up: the simulator installed (a spawned worker starts without it), and torch, where
-    imported, kept to one thread. Workers already run one per core, and a forked child must not enter a
-    thread pool its parent may have started (the child has none of the parent's threads)."""
+    """A worker's set-up: the simulator installed (a spawned worker starts without it), and torch kept to
+    one thread. Workers already run one per core, and a forked child must not enter a thread pool its
+    parent may have started (the child has none of the parent's threads)."""
+    import torch
+
     sim.install()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
 
 
 class NoMatchingCase(ValueError):

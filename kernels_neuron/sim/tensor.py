@@ -388,7 +388,10 @@ class Tensor:
             return
         marks = self._written_view()
         marks[...] = psum_writer
-        if marks.size == buf.written.size:  # type: ignore[union-attr]  # PSUM: the view covers the whole tile
+        # A contiguous view with the tile's element count is the whole tile (a strided access pattern can
+        # have as many elements and still repeat some and miss others).
+        whole = marks.size == buf.written.size and (marks.flags.c_contiguous or marks.flags.f_contiguous)  # type: ignore[union-attr]
+        if whole:
             buf.uniform_writer = psum_writer
         else:
             buf.note_partial_write(psum_writer)

@@ -551,6 +551,26 @@ def test_nc_matmul_accumulates_by_its_own_view_once_a_tile_holds_mixed_writers()
     assert np.all(np.abs(out[32:] - (ref[32:] + ref[:32])) <= tol[32:] + tol[:32])
 
 
+def test_a_strided_write_with_the_tiles_element_count_does_not_count_as_the_whole_tile():
+    """An access pattern may have as many elements as its tile and still cover only part of it (here the
+    first 24 columns, each twice): a matmul into the other columns then starts a group, as on an
+    unwritten tile."""
+    a, b = rand((32, 16), seed=63), rand((32, 24), seed=64)
+
+    def body(s, m):
+        tile = ps((16, 48))
+        nisa.memset(dst=tile.ap([[48, 16], [0, 2], [1, 24]], offset=0), value=0.0)
+        nisa.nc_matmul(dst=tile[:, 24:48], stationary=s, moving=m)
+        return tile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no accumulating-onto-memset warning: nothing accumulates
+        result = run_body(body, a, b)
+    assert ["dst_in" in [op.role for op in i.operands] for i in result.trace if i.op == "nc_matmul"] == [False]
+    ref, tol = _matmul_ref(a, b)
+    assert np.all(np.abs(result.outputs[:, 24:] - ref) <= tol)
+
+
 def test_nc_matmul_accumulate_explicit_true_and_false():
     a, b = rand((64, 32), seed=25), rand((64, 48), seed=26)
 
