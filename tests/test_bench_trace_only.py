@@ -95,6 +95,27 @@ def test_parallel_suite_runs_give_the_serial_records_in_order(monkeypatch):
         bench.run_suite([unpicklable, cases[1]], progress=False, jobs=2)
 
 
+def test_a_parallel_suite_run_forks_its_workers_before_its_progress_bar_starts(monkeypatch):
+    """The progress bar's refresh thread must not exist when the workers fork (a child would inherit any
+    lock it held), and here the workers are forked, not spawned."""
+    import multiprocessing.context
+
+    from kernels_neuron.bench import runner
+
+    workers_at_bar_start = []
+
+    def progress_bar(stack, total):
+        workers_at_bar_start.extend(multiprocessing.active_children())
+        return lambda name, done: None
+
+    monkeypatch.setattr(runner, "device_available", lambda: False)
+    monkeypatch.setattr(runner, "_progress_bar", progress_bar)
+    cases = [_small("rmsnorm-fwd/llama"), _small("mlp-fwd/silu")]
+    bench.run_suite(cases, progress=True, jobs=2)
+    assert len(workers_at_bar_start) == 2
+    assert all(isinstance(p, multiprocessing.context.ForkProcess) for p in workers_at_bar_start)
+
+
 def test_bench_workers_are_forked_on_linux_only_and_run_torch_on_one_thread(monkeypatch):
     import torch
 
