@@ -103,9 +103,12 @@ def test_a_parallel_suite_run_forks_its_workers_before_its_progress_bar_starts(m
     from kernels_neuron.bench import runner
 
     workers_at_bar_start = []
+    before = {p.pid for p in multiprocessing.active_children()}
 
     def progress_bar(stack, total):
-        workers_at_bar_start.extend(multiprocessing.active_children())
+        workers_at_bar_start.extend(
+            p for p in multiprocessing.active_children() if p.is_alive() and p.pid not in before
+        )
         return lambda name, done: None
 
     monkeypatch.setattr(runner, "device_available", lambda: False)
