@@ -580,7 +580,7 @@ def nc_matmul(
     writers = None
     if latest_writer is None:
         writers = dst.psum_writers().reshape(m, n)
-        latest_writer = int(_highest(writers, axis=None))
+        latest_writer = int(writers.max())
     accumulates = latest_writer != runtime.PSUM_UNWRITTEN if accumulate is None else bool(accumulate)
     if accumulates:
         # Every element the rules concern is one this matmul adds to (all of them with accumulate=True;
@@ -628,9 +628,6 @@ def nc_matmul(
         row_size=row_size,
         transpose=bool(is_transpose),
     )
-
-
-_highest = np.maximum.reduce  # ndarray.max without its Python wrapper (numpy's _methods._amax)
 
 
 def _check_matmul_indirection(

@@ -81,16 +81,15 @@ def compute_tile(t: Any, instr: str, role: str, eng: str, allowed: Sequence[str]
             start_partition=start,
             partitions=parts,
         )
-    if eng != "tensor":
-        limit = VECTOR_FREE_MAX_PSUM if kind == "psum" else VECTOR_FREE_MAX_SBUF
-        if eng in ("vector", "scalar", "gpsimd") and t.free_size > limit:
-            raise rule(
-                instr,
-                role,
-                f"free size exceeds the {kind.upper()} per-instruction limit",
-                free_elements=t.free_size,
-                limit=limit,
-            )
+    limit = VECTOR_FREE_MAX_PSUM if kind == "psum" else VECTOR_FREE_MAX_SBUF
+    if eng in ("vector", "scalar", "gpsimd") and t.free_size > limit:
+        raise rule(
+            instr,
+            role,
+            f"free size exceeds the {kind.upper()} per-instruction limit",
+            free_elements=t.free_size,
+            limit=limit,
+        )
     dims = free_pattern_dims(t) if t._view.ndim > ACCESS_PATTERN_MAX_FREE_DIMS + 1 else 0
     if dims > ACCESS_PATTERN_MAX_FREE_DIMS:
         raise rule(

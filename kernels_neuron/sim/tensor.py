@@ -352,11 +352,8 @@ class Tensor:
             if not target._view.flags.writeable:
                 raise rule(instruction, "dst", "cannot write through a broadcast view", shape=target.shape)
             if target._buf.written is not None:
-                if target._buf.uniform_writer == psum_writer:
-                    pass  # every element holds it already
-                elif columns.index_known():
-                    target._written_view()[columns.targets()] = psum_writer
-                    target._buf.note_partial_write(psum_writer)
+                if columns.index_known():
+                    target._mark_written_at(columns.targets(), psum_writer)
                 else:
                     target._mark_written(psum_writer)
             runtime.current().mark_uncomputed(target._buf)
@@ -391,10 +388,16 @@ class Tensor:
         # A contiguous view with the tile's element count is the whole tile (a strided access pattern can
         # have as many elements and still repeat some and miss others).
         whole = marks.size == buf.written.size and (marks.flags.c_contiguous or marks.flags.f_contiguous)  # type: ignore[union-attr]
-        if whole:
-            buf.uniform_writer = psum_writer
-        else:
-            buf.note_partial_write(psum_writer)
+        buf.uniform_writer = psum_writer if whole else None
+
+    def _mark_written_at(self, where: Any, psum_writer: int) -> None:
+        """Record that ``psum_writer`` wrote the elements ``where`` picks out of this (direct) view of a
+        PSUM tile."""
+        buf = self._buf
+        if buf.uniform_writer == psum_writer:  # every element holds it already
+            return
+        self._written_view()[where] = psum_writer
+        buf.uniform_writer = None  # some elements only: the codes may now differ
 
     def _written_view(self) -> np.ndarray:
         """A PSUM tile's bookkeeping (``Buffer.written``) for this view's elements; made once per view."""
@@ -418,9 +421,8 @@ class Tensor:
             return
         where = columns.targets()
         target._view[where] = dtypes.cast(values, self._dtype).reshape(where[0].shape)
-        if target._buf.written is not None and target._buf.uniform_writer != psum_writer:
-            target._written_view()[where] = psum_writer
-            target._buf.note_partial_write(psum_writer)
+        if target._buf.written is not None:
+            target._mark_written_at(where, psum_writer)
 
     def was_written(self) -> np.ndarray:
         """For PSUM tiles: which elements some instruction has written."""
@@ -492,17 +494,16 @@ class Tensor:
                 k = k.as_slice()
             if isinstance(k, slice):
                 start, stop = k.start, k.stop
-                if k.step is None and (start is None or type(start) is int) and (stop is None or type(stop) is int):
-                    first = 0 if start is None else start
-                    if 0 <= first < (n if stop is None else stop) <= n:  # in bounds as written: NumPy takes it as is
-                        out.append(k)
-                        skipped += first * strides[dim]
-                        if dim:
-                            free_sliced = True
-                        continue
-                k = _checked_slice(k, n, dim, self)
+                in_bounds_as_written = (  # NumPy then takes it as is: no need to normalise it
+                    k.step is None
+                    and (start is None or type(start) is int)
+                    and (stop is None or type(stop) is int)
+                    and 0 <= (start or 0) < (n if stop is None else stop) <= n
+                )
+                if not in_bounds_as_written:
+                    k = _checked_slice(k, n, dim, self)
                 out.append(k)
-                skipped += k.start * strides[dim]
+                skipped += (k.start or 0) * strides[dim]
                 if dim:
                     free_sliced = True
             elif isinstance(k, (int, np.integer)):

@@ -71,12 +71,6 @@ class Buffer:
         self.written_bytes: np.ndarray | None = None
         self.usage: TileUsage | None = None  # an on-chip tile's span of instructions (memory.py)
 
-    def note_partial_write(self, psum_writer: int) -> None:
-        """``psum_writer`` wrote some of this PSUM tile's elements: unless they all held it already, the
-        codes may now differ."""
-        if self.uniform_writer != psum_writer:
-            self.uniform_writer = None
-
 
 class Run:
     """A kernel run in progress. Instructions and allocations report here."""
