@@ -226,12 +226,12 @@ class Run:
         for _, t in reads:
             if t._buf.kind in HBM_KINDS:
                 hbm_read += t.nbytes
-            read_regions.append(t.region())
+            read_regions.append(t._region or t.region())  # mostly cached by the operand checks
         write_regions = []
         for _, t in writes:
             if t._buf.kind in HBM_KINDS:
                 hbm_written += t.nbytes
-            write_regions.append(t.region())
+            write_regions.append(t._region or t.region())
         inst = Instruction(
             len(self.trace.instructions),
             engine,

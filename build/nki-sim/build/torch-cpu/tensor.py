@@ -461,7 +461,8 @@ class Tensor:
             )
 
     def __getitem__(self, key: Any) -> Tensor:
-        self._direct("index")
+        if self._indirect is not None or self._columns is not None:
+            self._direct("index")
         index, skipped = self._index(key)
         # The trailing Ellipsis keeps an all-integer index a 0-d *view* (NumPy would return a
         # detached scalar, and writes through it would be lost).
@@ -490,7 +491,7 @@ class Tensor:
         skipped = 0
         for dim, k in enumerate(key):
             n = shape[dim]
-            if isinstance(k, DynSlice):
+            if type(k) is not slice and isinstance(k, DynSlice):  # plain slices, the usual key, skip the test
                 k = k.as_slice()
             if isinstance(k, slice):
                 start, stop = k.start, k.stop
