@@ -323,35 +323,63 @@ def attention_case(
 
 
 def _decode_inputs(
-    batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int, seed: int, values: bool = True
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    sq: int,
+    sk: int,
+    d: int,
+    softcap: float,
+    seed: int,
+    values: bool = True,
 ) -> tuple:
     rng = _data(seed, values)
     q = _draw(rng, batch, heads, sq, d)
     k, v = _draw(rng, batch, kv_heads, sk, d), _draw(rng, batch, kv_heads, sk, d)
-    return (q, k, v, d**-0.5, True, 0, 0.0)
+    return (q, k, v, d**-0.5, True, 0, softcap)
 
 
 def _decode_forward(q, k, v, scale, causal, window, softcap):
-    """transformers' attention for a few queries against a cache: sdpa with GQA for one query, else the
-    eager path (sdpa's ``is_causal`` aligns top-left, a cache needs bottom-right)."""
-    if q.shape[2] == 1:
+    """transformers' attention for a few queries against a cache: sdpa with GQA for one query, else (or
+    with a softcap, which sdpa cannot apply) the eager path (sdpa's ``is_causal`` aligns top-left, a
+    cache needs bottom-right)."""
+    if q.shape[2] == 1 and not softcap:
         return partial(F.scaled_dot_product_attention, q, k, v, scale=scale, enable_gqa=True)
-    return partial(attention_reference, q, k, v, scale=scale, causal=causal)
+    return partial(attention_reference, q, k, v, scale=scale, causal=causal, softcap=softcap or None)
 
 
-def decode_case(name: str, model: str, batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int = 128) -> Case:
+def decode_case(
+    name: str,
+    model: str,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    sq: int,
+    sk: int,
+    d: int = 128,
+    softcap: float = 0.0,
+) -> Case:
     """The decode kernel (what the flash-attention op runs for up to 16 queries without a mask): ``sq``
     queries of ``heads`` query heads per sequence against ``sk`` cached keys of ``kv_heads`` KV heads,
-    causal, bf16. Memory-bound: the roofline is reading K and V once."""
+    causal, bf16, logits softcapped at ``softcap`` when set. Memory-bound: the roofline is reading K
+    and V once."""
     return Case(
         name=name,
         kernel=flash_decode_fwd,
-        make_inputs=partial(_decode_inputs, batch, heads, kv_heads, sq, sk, d),
-        shape={"B": batch, "H": heads, "Hkv": kv_heads, "Sq": sq, "Sk": sk, "d": d},
+        make_inputs=partial(_decode_inputs, batch, heads, kv_heads, sq, sk, d, softcap),
+        shape={
+            "B": batch,
+            "H": heads,
+            "Hkv": kv_heads,
+            "Sq": sq,
+            "Sk": sk,
+            "d": d,
+            **({"softcap": softcap} if softcap else {}),
+        },
         dtype="bfloat16",
         model=model,
         reference_name="scaled_dot_product_attention"
-        if sq == 1
+        if sq == 1 and not softcap
         else "eager attention (transformers' eager_attention_forward)",
         prepare_reference=_decode_forward,
         standard_flops=4 * batch * heads * sq * sk * d,
@@ -650,6 +678,8 @@ CASES: list[Case] = [
     decode_case("attention-fwd/qwen3-8b/decode-1-of-4096", "Qwen3-8B", 1, 1, 1, 1, 4096),
     decode_case("attention-fwd/qwen3-8b/decode-gqa-b1-of-4096", "Qwen3-8B", 1, 32, 8, 1, 4096),
     decode_case("attention-fwd/llama3-8b/decode-gqa-b8-of-4096", "Llama-3-8B", 8, 32, 8, 1, 4096),
+    # Gemma-2-9B's layer: head_dim 256 (the contraction over D in two blocks) and its logit softcap.
+    decode_case("attention-fwd/gemma2-9b/decode-gqa-b1-of-4096", "Gemma-2-9B", 1, 16, 8, 1, 4096, d=256, softcap=50.0),
     # The same layers against a paged cache (vLLM-sized blocks of 16, FlashAttention's of 256).
     decode_paged_case("attention-fwd/qwen3-8b/decode-paged16-b1-of-4096", "Qwen3-8B", 1, 32, 8, 4096, 16),
     decode_paged_case("attention-fwd/llama3-8b/decode-paged16-b8-of-4096", "Llama-3-8B", 8, 32, 8, 4096, 16),

@@ -334,9 +334,9 @@ def test_a_model_with_its_own_flash_kernels_replaces_the_hub_name(fresh_process)
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_generate_with_a_static_cache_decodes_with_the_decode_kernel_and_gives_eagers_tokens(arch, route):
-    own = reference(arch, "eager", num_attention_heads=4, num_key_value_heads=2)
+@pytest.mark.parametrize("arch, head_dim", [("llama", 64), ("gemma2", 64), ("gemma2", 256)])  # Gemma-2's 256
+def test_generate_with_a_static_cache_decodes_with_the_decode_kernel_and_gives_eagers_tokens(arch, head_dim, route):
+    own = reference(arch, "eager", num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
     model = with_kernel(own, route)
     ids = input_ids(2, 20)  # a prompt above DECODE_MAX_QUERIES, so the prefill runs flash attention
     settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")

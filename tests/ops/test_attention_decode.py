@@ -1,6 +1,6 @@
 """The decode kernel (``nki_src/attention_decode.py``) behind the flash-attention op: which calls it serves,
 accuracy against the pure-torch reference (ragged chunks, GQA groups, windows, softcap, queries that
-see no key, head dims 8..128, fp32 tight and bf16 within torch's own bf16 error), its lse, gradients
+see no key, head dims 8..256, fp32 tight and bf16 within torch's own bf16 error), its lse, gradients
 through it, its limits, and its HBM traffic (K and V read once per KV head, only the window's keys)."""
 
 import pytest
@@ -46,6 +46,14 @@ CASES = [
     (1, 2, 1, 16, 5, 16, True, None, None),  # Sq > Sk: the first 11 queries see no key
     (1, 8, 2, 16, 3000, 64, True, 500, None),  # 64 rows: the max subtracted in PSUM, masked keys split off
 ]
+# Head dims above 128: the contraction over D in two blocks (a partial one at 160); in fp32 a chunk is 4
+# keys per partition at d = 256 and 6 at d = 160 (12 in bf16: not powers of two).
+WIDE_HEAD_CASES = [
+    (1, 4, 2, 2, 1300, 256, True, None, None),
+    (1, 8, 2, 16, 1100, 256, True, None, None),  # 64 rows: the max subtracted in PSUM
+    (2, 4, 1, 3, 2900, 160, True, 700, 5.0),
+]
+CASES += WIDE_HEAD_CASES
 
 
 def _case_id(case):
@@ -72,7 +80,7 @@ def test_fp32_matches_the_reference_tightly_with_its_lse(case):
     assert (out[~seen] == 0).all() and (lse[~seen] < -1e29).all()  # rows that see no key: zeros, lse ~ -1e30
 
 
-@pytest.mark.parametrize("case", CASES[1:6], ids=_case_id)
+@pytest.mark.parametrize("case", CASES[1:6] + WIDE_HEAD_CASES, ids=_case_id)
 def test_bf16_error_is_within_twice_torchs_own_bf16_error(case):
     batch, heads, kv_heads, sq, sk, d, causal, window, softcap = case
     q, k, v = _inputs(batch, heads, kv_heads, sq, sk, d, torch.bfloat16, seed=1)
@@ -106,7 +114,7 @@ def test_fp16_and_a_custom_scale():
         ((1, 4, 2, DECODE_MAX_QUERIES, 300, 64), {}, "flash_decode_fwd"),
         ((1, 4, 2, DECODE_MAX_QUERIES + 1, 300, 64), {}, "flash_attn_fwd"),  # a chunk of prefill
         ((1, 16, 1, 16, 300, 64), {}, "flash_attn_fwd"),  # 256 rows per KV head, above the 128-row limit
-        ((1, 4, 2, 1, 300, 256), {}, "flash_attn_fwd"),  # head_dim above 128
+        ((1, 4, 2, 1, 300, 256), {}, "flash_decode_fwd"),  # head_dim 256 (Gemma): D in two blocks
         ((1, 4, 2, 1, 300, 64), {"attention_mask": torch.ones(1, 1, 1, 300, dtype=torch.bool)}, "flash_attn_fwd"),
     ],
     ids=["16-queries", "17-queries", "256-rows", "d256", "mask"],
@@ -142,7 +150,7 @@ def test_gradients_through_the_decode_forward_match_the_reference():
     "shape, match",
     [
         ((1, 16, 1, 9, 100, 64), "16 query heads per KV head x 9 queries = 144 rows, above the limit of 128"),
-        ((1, 2, 1, 1, 100, 160), "head_dim 160 is outside the supported 1..128"),
+        ((1, 2, 1, 1, 100, 264), "head_dim 264 is outside the supported 1..256"),
     ],
 )
 def test_the_kernel_names_the_limit_it_refuses(shape, match):
@@ -331,16 +339,17 @@ def _paged(batch, kv_heads, d, block_size, lengths, dtype=torch.float32, seed=9)
 
 
 @pytest.mark.parametrize(
-    "block_size, lengths, sq, kwargs",
+    "block_size, lengths, sq, d, kwargs",
     [
-        (16, [300, 1000], 1, dict(causal=True)),
-        (256, [700, 1500, 0], 3, dict(causal=True, window=200)),
-        (8, [2500], 2, dict(causal=True, softcap=5.0)),
+        (16, [300, 1000], 1, 64, dict(causal=True)),
+        (256, [700, 1500, 0], 3, 64, dict(causal=True, window=200)),
+        (8, [2500], 2, 64, dict(causal=True, softcap=5.0)),
+        (32, [900, 400], 2, 256, dict(causal=True, window=300)),
     ],
-    ids=["blocks-16", "blocks-256-window-empty-row", "blocks-8-softcap"],
+    ids=["blocks-16", "blocks-256-window-empty-row", "blocks-8-softcap", "blocks-32-d256-window"],
 )
-def test_a_paged_cache_read_through_its_block_table_matches_the_dense_reference(block_size, lengths, sq, kwargs):
-    batch, heads, kv_heads, d = len(lengths), 8, 2, 64
+def test_a_paged_cache_read_through_its_block_table_matches_the_dense_reference(block_size, lengths, sq, d, kwargs):
+    batch, heads, kv_heads = len(lengths), 8, 2
     k_cache, v_cache, table, dense_k, dense_v = _paged(batch, kv_heads, d, block_size, lengths)
     q = _inputs(batch, heads, kv_heads, sq, 1, d, seed=10)[0]
     args = (k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d), table, block_size, lengths, d**-0.5)

@@ -17,7 +17,8 @@ Dimensions
     r = h * Sq + i, the order the heads already have in q's memory.
 
 Tiling plan
-    Per (batch, KV head) the group's Q^T [D, n] stays in SBUF. The visible keys are cut into chunks of
+    Per (batch, KV head) the group's Q^T [D, n] stays in SBUF (as 128-row blocks of D: above 128 the
+    contraction over D is split, and K^T and every S^T block take one transpose and one matmul per block). The visible keys are cut into chunks of
     up to ``128 x T`` keys, partition p holding the T consecutive keys ``k0 + p*T + t`` (one contiguous run of
     T*D elements per partition, so K and V load at full DMA efficiency; see ``keys_per_partition``).
     Per chunk:
@@ -49,7 +50,7 @@ import nki.language as nl
 
 from ._common import MASKED_LOGIT_FLOOR, P, ceil_div, itemsize, tiles
 
-MAX_HEAD_DIM = P  # the contraction over D is one matmul
+MAX_HEAD_DIM = 2 * P  # above 128 the contraction over D is split in 128-row blocks (two matmuls per S^T block)
 MAX_GROUP_ROWS = P  # query rows of one KV group: they are the matmul's stationary columns in P V
 SCORE_BANK_COLUMNS = 512  # fp32 S^T columns per partition in one PSUM bank (2 KiB)
 SCORE_BANKS = 2  # PSUM banks one chunk's S^T may span (two chunks are in flight in the pipeline)
@@ -241,21 +242,25 @@ class _Group(nl.NKIObject):
         self.exp_scale = softcap if softcap else scale
         self.scale, self.softcap, self.dtype = scale, softcap, q.dtype
         self.q = q
-        self.q_t = None
+        self.q_t = None  # Q^T, one [<= 128, rows] tile per 128-row block of D
         self.run_max = None  # [rows, 1] fp32, in logit units (exp_scale * logit is the exponent)
         self.weights = None  # the running state's and the chunk's weights, from weigh to accumulate
         self.acc = None  # [rows, D + 1] fp32
 
     def load_queries(self):
-        """Q^T [D, rows]: the group's query heads are consecutive in q, so its rows are one [rows, D] block."""
+        """Q^T [D, rows] as one SBUF tile per 128-row block of D: the group's query heads are consecutive
+        in q, so its rows are one [rows, D] block."""
         rows, d = self.rows, self.d
         src = self.q[self.b, self.g * self.group : (self.g + 1) * self.group, :, :].reshape((rows, d))
         q_rows = nl.ndarray((rows, d), self.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=q_rows, src=src)
-        flipped = nl.ndarray((d, rows), self.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=flipped, data=q_rows)
-        self.q_t = nl.ndarray((d, rows), self.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=self.q_t, src=flipped)
+        self.q_t = []
+        for d0, dc in tiles(d, P):
+            flipped = nl.ndarray((dc, rows), self.dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=flipped, data=q_rows[:, d0 : d0 + dc])
+            block = nl.ndarray((dc, rows), self.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=block, src=flipped)
+            self.q_t.append(block)
 
     def weigh(self, chunk_max):
         """The new running max, and the weights of the running state and of the chunk (for ``accumulate``)."""
@@ -652,31 +657,37 @@ class _Chunk(nl.NKIObject):
         self.source = None
 
     def transpose_keys(self):
-        """K^T [D, T * parts] (block t at columns t*parts..): TensorE transposes, copied out by VectorE and ScalarE."""
+        """K^T [D, T * parts] (block t at columns t*parts..), one SBUF tile per 128-row block of D:
+        TensorE transposes, copied out by VectorE and ScalarE."""
         parts, t, d, dtype = self.parts, self.t, self.group.d, self.group.dtype
-        self.keys_t = nl.ndarray((d, t * parts), dtype, buffer=nl.sbuf)
-        for t0, tc in tiles(t, TRANSPOSE_GROUP):
-            flipped = nl.ndarray((d, tc * parts), dtype, buffer=nl.psum)
-            for j in range(tc):
-                nisa.nc_transpose(dst=flipped[:, j * parts : (j + 1) * parts], data=self.keys[t0 + j])
-            columns = self.keys_t[:, t0 * parts : (t0 + tc) * parts]
-            if self.common.next_key_copy_on_scalar(self.group.rows):
-                nisa.activation(dst=columns, op=nl.copy, data=flipped)
-            else:
-                nisa.tensor_copy(dst=columns, src=flipped)
+        blocks = list(tiles(d, P))
+        self.keys_t = [nl.ndarray((dc, t * parts), dtype, buffer=nl.sbuf) for _, dc in blocks]
+        for t0, tc in tiles(t, TRANSPOSE_GROUP):  # key blocks outermost: the scores need every block of D
+            for keys_t, (d0, dc) in zip(self.keys_t, blocks):
+                flipped = nl.ndarray((dc, tc * parts), dtype, buffer=nl.psum)
+                for j in range(tc):
+                    nisa.nc_transpose(
+                        dst=flipped[:, j * parts : (j + 1) * parts], data=self.keys[t0 + j][:, d0 : d0 + dc]
+                    )
+                columns = keys_t[:, t0 * parts : (t0 + tc) * parts]
+                if self.common.next_key_copy_on_scalar(self.group.rows):
+                    nisa.activation(dst=columns, op=nl.copy, data=flipped)
+                else:
+                    nisa.tensor_copy(dst=columns, src=flipped)
         self.keys = None
 
     def scores(self):
-        """S^T [parts, T, rows] = K Q^T in PSUM, one bank per ``_bank_blocks`` key blocks; softcapped and
-        masked where needed (then into SBUF)."""
+        """S^T [parts, T, rows] = K Q^T in PSUM, one bank per ``_bank_blocks`` key blocks (a matmul per
+        128-row block of D, accumulating); softcapped and masked where needed (then into SBUF)."""
         group, parts, t, rows = self.group, self.parts, self.t, self.group.rows
         per_bank = _bank_blocks(rows)
         self.banks = []
         for j0, jc in tiles(t, per_bank):
             bank = nl.ndarray((parts, jc, rows), nl.float32, buffer=nl.psum)
             for j in range(jc):
-                block = self.keys_t[:, (j0 + j) * parts : (j0 + j + 1) * parts]
-                nisa.nc_matmul(dst=bank[:, j, :], stationary=block, moving=group.q_t)
+                columns = slice((j0 + j) * parts, (j0 + j + 1) * parts)
+                for keys_t, q_t in zip(self.keys_t, group.q_t):
+                    nisa.nc_matmul(dst=bank[:, j, :], stationary=keys_t[:, columns], moving=q_t)
             self.banks.append((j0, jc, bank))
         self.keys_t = None
         masked = self.causal_cut is not None or self.window_cut is not None
