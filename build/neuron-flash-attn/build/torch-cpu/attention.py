@@ -10,7 +10,7 @@
 - ``decode_attention(q, k, v, key_ranges, ...)``: a few queries per sequence against a padded KV cache,
   each batch row attending to its own range of cache positions.
 
-Decoding (at most ``DECODE_MAX_QUERIES`` queries per sequence, no mask or packing, head_dim <= 128,
+Decoding (at most ``DECODE_MAX_QUERIES`` queries per sequence, no mask or packing, head_dim <= 256,
 and at most 128 query rows per KV head) runs the decode kernel (``nki_src/attention_decode.py``: keys
 on the partitions, every query head of a KV group served from one K/V read, any number of keys in one
 launch, ragged per-row key ranges) through the ``flash_decode_fwd`` op; everything else, and every

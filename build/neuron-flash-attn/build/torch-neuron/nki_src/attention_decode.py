@@ -17,10 +17,11 @@ Dimensions
     r = h * Sq + i, the order the heads already have in q's memory.
 
 Tiling plan
-    Per (batch, KV head) the group's Q^T [D, n] stays in SBUF (as 128-row blocks of D: above 128 the
-    contraction over D is split, and K^T and every S^T block take one transpose and one matmul per block). The visible keys are cut into chunks of
-    up to ``128 x T`` keys, partition p holding the T consecutive keys ``k0 + p*T + t`` (one contiguous run of
-    T*D elements per partition, so K and V load at full DMA efficiency; see ``keys_per_partition``).
+    Per (batch, KV head) the group's Q^T [D, n] stays in SBUF, in 128-row blocks of D (above 128 the
+    contraction over D is split: a K block's transpose and its S^T matmul are one per block of D). The
+    visible keys are cut into chunks of up to ``128 x T`` keys, partition p holding the T consecutive
+    keys ``k0 + p*T + t`` (one contiguous run of T*D elements per partition, so K and V load at full DMA
+    efficiency; see ``keys_per_partition``).
     Per chunk:
       - K^T on TensorE, one 128-key block (the keys of one t) at a time, TRANSPOSE_GROUP blocks per
         PSUM tile, copied to SBUF by VectorE and ScalarE in turn, two of three on ScalarE from
