@@ -62,7 +62,14 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import P, ceil_div, itemsize, tiles
+from ._common import (
+    DECODE_GROUP_ROWS,
+    DECODE_ROWWISE_WIDTH,
+    P,
+    decode_partitions,
+    itemsize,
+    tiles,
+)
 
 FREE_CHUNK = 2048
 SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and constants
@@ -74,30 +81,6 @@ MIN_HIDDEN = 1
 PACKED_ROW_BYTES = 4096
 MAX_PACKED_ROWS = 32
 MAX_HIDDEN = 16384
-# Few rows (decode batches) go through the decode layout (``_decode_forward``): each row spread over many
-# partitions instead of one, and the weight read from HBM once. It is used while it gives every row at
-# least DECODE_PARTITIONS_PER_ROW partitions (16 rows over 128) and spreads rows over at least
-# DECODE_MIN_PARTITIONS: beyond that the row tiles win, as every partition of the decode layout works on
-# every row and its DMAs move short runs. Both from the modelled crossover
-# (Trn2): over 1,218 shapes where it is chosen (1..16 rows, 18 hidden sizes from 200 to 16384, bf16 and
-# fp32, every convention) it models at least 7% faster than the row tiles (benchmarks/rmsnorm_decode_sweep.py
-# reruns it; tests/ops/test_rmsnorm.py checks the closest cases).
-DECODE_PARTITIONS_PER_ROW = 8
-DECODE_MIN_PARTITIONS = 32
-# Rows per group in the decode layout (each group loads, normalises and stores on its own): modelled at 8
-# rows of 4096 (Trn2, bf16), 5.0 us in groups of 4 against 5.6 us in one group and 5.3 us in groups of 2;
-# at 16 rows groups of 4 and 8 are within 2%.
-DECODE_GROUP_ROWS = 4
-# The decode layout normalises row by row on ScalarE (per row one instruction of max(64, c) cycles at
-# 1.2 GHz, c = H / partitions) when that beats one VectorE instruction over the group (two cycles per
-# element at 0.96 GHz, as the rstd operand is fp32): from 26 columns on (64 / 1.2 = 2 c / 0.96 at
-# c = 25.6, by AWS's per-instruction costs).
-DECODE_ROWWISE_WIDTH = 26
-# The decode layout reads each partition's share of a row as one run of at least this many bytes: the
-# shortest AWS's rmsnorm_tkg reads in this layout straight from HBM (it does so above hidden 2048, 17 bf16
-# elements from hidden 2176, and loads contiguously and transposes on chip below). Hidden sizes whose
-# 128-way split gives shorter runs spread over fewer partitions.
-DECODE_MIN_RUN_BYTES = 34
 CONVENTIONS = ("llama", "gemma", "fp32_multiply")
 
 
@@ -183,19 +166,6 @@ def _packed_forward(x, out, rstd_out, w, eps_column, r0, k, llama):
             )
     nisa.dma_copy(dst=out[r0 : r0 + P * k, :].reshape((P, width)), src=result)
     nisa.dma_copy(dst=rstd_out[r0 : r0 + P * k, :].reshape((P, k)), src=rstd)
-
-
-def decode_partitions(rows, hidden, dtype):
-    """Partitions the decode layout spreads each row over, or 0 when the row tiles serve ``rows``.
-
-    The largest divisor of ``hidden`` up to P whose share of a row is at least DECODE_MIN_RUN_BYTES, if
-    that gives each row DECODE_PARTITIONS_PER_ROW partitions and is at least DECODE_MIN_PARTITIONS.
-    """
-    shortest = ceil_div(DECODE_MIN_RUN_BYTES, itemsize(dtype))
-    for parts in range(min(P, hidden // shortest), DECODE_MIN_PARTITIONS - 1, -1):
-        if hidden % parts == 0:
-            return parts if rows * DECODE_PARTITIONS_PER_ROW <= parts else 0
-    return 0
 
 
 def _decode_forward(x, weight, eps, convention, out, rstd_out, parts):

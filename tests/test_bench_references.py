@@ -35,6 +35,7 @@ SMALL = [
     suite.rmsnorm_case("rmsnorm-bwd/gemma", "Gemma-2-9B", 130, 96, "gemma", backward=True),
     suite.layernorm_case("layernorm-fwd/affine", "GPT-J-6B", 130, 300),
     suite.layernorm_case("layernorm-fwd/weight", "Command-R", 130, 2100, bias=False),
+    suite.layernorm_case("layernorm-fwd/decode", "Starcoder2-7B", 3, 576),  # the decode layout: 32 partitions
     suite.layernorm_case("layernorm-bwd/affine", "GPT-J-6B", 130, 300, backward=True),
     suite.layernorm_case("layernorm-bwd/weight", "Command-R", 130, 2100, bias=False, backward=True),
     suite.attention_case("attention-fwd/causal", "Llama-3-8B", 200, 200, d=64),

@@ -712,6 +712,7 @@ CASES: list[Case] = [
     layernorm_case("layernorm-fwd/gpt-j-6b/4096-tokens", "GPT-J-6B", 4096, 4096),
     layernorm_case("layernorm-bwd/gpt-j-6b/4096-tokens", "GPT-J-6B", 4096, 4096, backward=True),
     layernorm_case("layernorm-fwd/starcoder2-7b/4096-tokens", "Starcoder2-7B", 4096, 4608),
+    layernorm_case("layernorm-fwd/starcoder2-7b/decode-8", "Starcoder2-7B", 8, 4608),
     layernorm_case("layernorm-fwd/command-r/4096-tokens", "Command-R", 4096, 8192, bias=False),
     layernorm_case("layernorm-bwd/command-r/4096-tokens", "Command-R", 4096, 8192, bias=False, backward=True),
     # fp32 rows too wide for SBUF (as autocast hands LayerNorm): the kernels stream them through twice.

@@ -265,3 +265,121 @@ def test_streamed_rows_without_a_weight_or_a_bias_match_torch(with_weight, with_
         torch.testing.assert_close(torch.from_numpy(dw), leaves[1].grad, rtol=1e-4, atol=1e-4)
     if with_bias:
         torch.testing.assert_close(torch.from_numpy(db), leaves[2].grad, rtol=1e-4, atol=1e-4)
+
+
+# The decode layout (few rows spread over the partitions, ``kernels._decode_forward``): from one row to
+# one past the switch at Starcoder2-7B's hidden 4608 (36 columns per partition: row by row on ScalarE),
+# and hidden sizes that split unevenly (3000: 125 partitions; 1000: 50 in bf16, 100 in fp32, 10 or 20
+# columns: the group-wise VectorE normalisation).
+DECODE_SHAPES = [(rows, 4608) for rows in (1, 3, 8, 16, 17)] + [(5, 3000), (4, 1000), (2, 3, 1000)]
+
+
+def _decode_partitions(shape, dtype, affine="weight+bias"):
+    rows, dtype = math.prod(shape[:-1]), str(dtype).removeprefix("torch.")
+    return kernels.forward_decode_partitions(rows, shape[-1], dtype, any(AFFINE[affine]))
+
+
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+def test_decode_rows_match_like_any_other(shape, affine):
+    """fp32 tightly, bf16 within torch's own bf16 error, the returned mean and rstd too."""
+    x, w, b = _inputs(shape, torch.float32, affine, seed=shape[0])
+    out, mean, rstd = layernorm_fwd(x.reshape(-1, shape[-1]), w, b, EPS)
+    torch.testing.assert_close(out.reshape(shape), layer_norm_reference(x, w, b, EPS), rtol=1e-5, atol=1e-5)
+    rows = x.reshape(-1, shape[-1])
+    torch.testing.assert_close(mean[:, 0], rows.mean(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rstd[:, 0], (rows.var(-1, unbiased=False) + EPS).rsqrt(), rtol=1e-5, atol=1e-6)
+    x, w, b = _inputs(shape, torch.bfloat16, affine, seed=shape[0])
+    exact = layer_norm_reference(x.float(), _fp32(w), _fp32(b), EPS)
+    torch_error = (layer_norm_reference(x, w, b, EPS).float() - exact).abs().max()
+    assert torch_error > 0
+    assert (layer_norm(x, w, b, EPS).float() - exact).abs().max() <= 1.5 * torch_error
+
+
+def test_decode_shapes_take_the_decode_layout_up_to_the_switch():
+    """The shapes above run the decode layout, but for the one past the switch (17 rows of 4608; without a
+    weight or a bias, from 9 rows on)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        used = {shape: _decode_partitions(shape, dtype) for shape in DECODE_SHAPES}
+        assert used[(17, 4608)] == 0
+        assert all(parts for shape, parts in used.items() if shape != (17, 4608)), used
+    assert _decode_partitions((8, 4608), torch.bfloat16) == 128
+    assert _decode_partitions((8, 4608), torch.bfloat16, "none") == 128
+    assert _decode_partitions((9, 4608), torch.bfloat16, "none") == 0
+
+
+def _modelled(rows, hidden, affine, parts=None, dtype=torch.bfloat16):
+    """Cost report (Trn2) of the forward in the layout the kernel chooses (``parts=None``), or with the
+    row tiles forced (``parts=0``)."""
+    from kernels_neuron import cost
+
+    def numpy(t):
+        if t is None or t.dtype != torch.bfloat16:
+            return None if t is None else t.numpy()
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+    x, w, b = (numpy(t) for t in _inputs((rows, hidden), dtype, affine))
+    chosen = kernels.decode_partitions
+    if parts is not None:
+        kernels.decode_partitions = lambda *args: parts
+    try:
+        return cost.estimate(kernels.layernorm_fwd, x, w, b, EPS)
+    finally:
+        kernels.decode_partitions = chosen
+
+
+def test_decode_layout_reads_the_weight_and_bias_once():
+    """Decode-8 on Starcoder2-7B's hidden size moves x, the output, the mean and rstd columns and one copy
+    each of the weight and the bias: 166 KB, not the 2.4 MB of both copied to all 128 partitions."""
+    rows, hidden = 8, 4608
+    report = _modelled(rows, hidden, "weight+bias")
+    assert report.hbm_bytes == 2 * rows * hidden * 2 + 2 * hidden * 2 + 2 * rows * 4
+
+
+@pytest.mark.parametrize(
+    "rows, hidden, affine, dtype",
+    [
+        (1, 4608, "weight+bias", torch.bfloat16),
+        (8, 4608, "weight+bias", torch.bfloat16),
+        (16, 4096, "weight", torch.bfloat16),
+        (8, 4096, "none", torch.bfloat16),
+        (2, 384, "none", torch.float32),  # the closest call of benchmarks/norm_decode_sweep.py (0.95)
+    ],
+)
+def test_decode_layout_is_never_modelled_slower_than_row_tiles(rows, hidden, affine, dtype):
+    """Where the decode layout is chosen, the row tiles (the weight and bias copied to the rows'
+    partitions only) are modelled slower."""
+    assert _decode_partitions((rows, hidden), dtype, affine)  # vacuous unless the decode layout is chosen
+    chosen, row_tiles = _modelled(rows, hidden, affine, dtype=dtype), _modelled(rows, hidden, affine, 0, dtype)
+    assert chosen.time_us < row_tiles.time_us
+
+
+def test_without_affine_the_decode_layout_needs_twice_the_partitions():
+    """Negative control for the rule: forced on 16 fp32 rows of 1152 without a weight or a bias (8
+    partitions per row), the decode layout is modelled slower than the row tiles the kernel chooses."""
+    assert _decode_partitions((16, 1152), torch.float32, "none") == 0
+    forced = _modelled(16, 1152, "none", 128, torch.float32)
+    assert forced.time_us > _modelled(16, 1152, "none", dtype=torch.float32).time_us
+
+
+def test_decode_nan_and_inf_stay_in_their_row():
+    """The partial sums cross the partitions in a matmul, one moving column per row: a NaN or inf in one
+    row leaves the others alone."""
+    x, w, b = _inputs((4, 4608), torch.float32, "weight+bias")
+    assert _decode_partitions(x.shape, x.dtype)
+    x[1, 5], x[2, 4000] = float("nan"), float("inf")
+    out, ref = layer_norm(x, w, b, EPS), layer_norm_reference(x, w, b, EPS)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out[1].isnan().all() and out[2].isnan().all() and not out[[0, 3]].isnan().any()
+
+
+def test_the_decode_layout_keeps_the_documented_precision_for_a_large_mean():
+    """As the row tiles (the test above): the mean is summed in fp32 across the partitions, so its error,
+    and the output's, grows as 2**-24 * |mean| / std; the variance comes from x - mean (two passes)."""
+    gen = torch.Generator().manual_seed(6)
+    for mean, std in ((300.0, 0.01), (3.0, 1.0)):
+        x = torch.randn(4, 4608, generator=gen) * std + mean
+        assert _decode_partitions(x.shape, x.dtype)
+        ratio = abs(mean) / std
+        error = (layer_norm(x, None, None, EPS) - layer_norm_reference(x, None, None, EPS)).abs().max()
+        assert error <= 8 * 2**-24 * ratio + 1e-6, (ratio, error)

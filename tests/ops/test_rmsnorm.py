@@ -164,7 +164,7 @@ def _modelled(rows, hidden, dtype, convention, parts=None):
         (8, 4096, "bfloat16", "llama"),
         (16, 4096, "bfloat16", "gemma"),
         (6, 1000, "bfloat16", "llama"),
-        # the two closest calls of benchmarks/rmsnorm_decode_sweep.py, behind DECODE_PARTITIONS_PER_ROW
+        # the two closest calls of benchmarks/norm_decode_sweep.py, behind DECODE_PARTITIONS_PER_ROW
         (16, 1152, "float32", "gemma"),
         (8, 576, "float32", "fp32_multiply"),
     ],

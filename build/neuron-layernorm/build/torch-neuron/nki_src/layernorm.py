@@ -12,8 +12,8 @@ Dimensions
 
 Tiling plan
     Rows go 128 to a tile, one row per partition; a tile's rows stay in SBUF while the free dim is
-    processed in chunks of at most FREE_CHUNK elements. The weight and bias are broadcast to all 128
-    partitions once per kernel. Rows SBUF cannot hold with their result (``_StreamedRows``; in the
+    processed in chunks of at most FREE_CHUNK elements. The weight and bias are broadcast once per
+    kernel to the partitions the row tiles use. Rows SBUF cannot hold with their result (``_StreamedRows``; in the
     backward ``_BackwardPlan.streamed``) stream through twice in chunks of STREAM_CHUNK elements.
 
 Engine plan (forward), per row tile
@@ -30,13 +30,34 @@ Engine plan (forward), per row tile
     element for bf16 x and weight in AWS's table), ScalarE scales it by rstd and GpSimd only adds the
     bias. Every engine's work on a tile depends only on work issued before it, so the tiles pipeline
     in program order.
+
+Decode layout (forward)
+    Few rows (``forward_decode_partitions``, the RMSNorm forward's choice: up to 16 rows at hidden 4096,
+    8 without a weight or a bias) are
+    spread over the partitions instead (``_decode_forward``): partition p holds columns [p c, (p + 1) c)
+    of every row (c = H / partitions), so the weight and the bias are [partitions, c] tiles read from
+    HBM once (two 9 KB reads at Starcoder2-7B's hidden 4608, where copies on 128 partitions move 2.4 MB)
+    and broadcast along the rows by the access pattern. The statistics take two passes, as torch's:
+    VectorE sums each row's elements per partition and a ones matmul adds the partitions' sums (every
+    partition gets every row's total, one moving column per row, so a NaN stays in its own row); then
+    the same for the squares of x - mean, so the variance never comes from E[x^2] - mean^2. ScalarE
+    squares, takes rsqrt and normalises (row by row from DECODE_ROWWISE_WIDTH columns, else VectorE
+    over the group), VectorE scales by the weight and GpSimd adds the bias, in fp32, rounded once.
 """
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import P, itemsize, tiles
+from ._common import (
+    DECODE_GROUP_ROWS,
+    DECODE_PARTITIONS_PER_ROW,
+    DECODE_ROWWISE_WIDTH,
+    P,
+    decode_partitions,
+    itemsize,
+    tiles,
+)
 
 FREE_CHUNK = 2048
 SBUF_RESERVE = 8 * 1024  # bytes per partition kept free for small columns and constants
@@ -137,10 +158,10 @@ def check_shapes(x_shape, x_dtype, weight_shape, weight_dtype, bias_shape, bias_
             raise ValueError(f"layernorm: {name} shape {tuple(shape)} does not match hidden size {hidden}")
 
 
-def _broadcast(vector, hidden):
-    """A [H] vector on every partition, in its own dtype."""
-    spread = nl.ndarray((P, hidden), vector.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=spread, src=vector.reshape((1, hidden)).broadcast(0, P))
+def _broadcast(vector, hidden, parts=P):
+    """A [H] vector on the first ``parts`` partitions, in its own dtype."""
+    spread = nl.ndarray((parts, hidden), vector.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=spread, src=vector.reshape((1, hidden)).broadcast(0, parts))
     return spread
 
 
@@ -299,6 +320,101 @@ def _even(n):
     return n - n % 2
 
 
+def forward_decode_partitions(rows, hidden, dtype, affine):
+    """``decode_partitions`` for this forward. Without a weight or a bias (``affine`` False) the decode
+    layout saves no copies, it only spreads the work, and pays while each row gets twice the
+    partitions (benchmarks/norm_decode_sweep.py: with DECODE_PARTITIONS_PER_ROW, 13 to 16 fp32 rows at
+    hidden 1152 to 2304 modelled up to 7% slower than the row tiles)."""
+    per_row = DECODE_PARTITIONS_PER_ROW if affine else 2 * DECODE_PARTITIONS_PER_ROW
+    return decode_partitions(rows, hidden, dtype, per_row)
+
+
+def _decode_forward(x, weight, bias, eps, out, mean_out, rstd_out, parts):
+    """Few rows, each spread over ``parts`` partitions (the module's decode layout): a [parts, rows, c]
+    tile per group of DECODE_GROUP_ROWS rows, each group with its own DMAs so that one group's
+    arithmetic overlaps the others' transfers; the weight and the bias as [parts, c] tiles."""
+    rows, hidden = x.shape
+    width = hidden // parts
+    groups = []
+    for r0, count in tiles(rows, DECODE_GROUP_ROWS):  # every load first: the weight and bias wait behind them
+        tile = nl.ndarray((parts, count, width), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x[r0 : r0 + count, :].reshape((count, parts, width)).permute((1, 0, 2)))
+        groups.append((r0, count, tile))
+    # The constants on GpSimd, which the rows' statistics leave idle.
+    gpsimd = nisa.engine.gpsimd
+    ones = nl.ndarray((parts, parts), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0, engine=gpsimd)
+    eps_column = nl.ndarray((parts, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=eps_column, value=eps, engine=gpsimd)
+    affine = []
+    for vector in (weight, bias):
+        spread = None
+        if vector is not None:
+            spread = nl.ndarray((parts, width), vector.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=spread, src=vector.reshape((parts, width)))
+        affine.append(spread)
+    w, b = affine
+    # Stage by stage across the groups: each engine's queue then holds the next group's work of a stage
+    # behind this group's, instead of the whole of a group's chain before the next group's first step.
+    means = [_partition_total(tile, ones, 1.0 / hidden) for _, _, tile in groups]
+    centred, rstds = [], []
+    for (_, count, tile), mean in zip(groups, means):
+        shifted = nl.ndarray((parts, count, width), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(
+            dst=shifted, data1=tile, data2=mean.reshape((parts, count, 1)).broadcast(2, width), op=nl.subtract
+        )
+        centred.append(shifted)
+    for shifted in centred:
+        squares = nl.ndarray(shifted.shape, nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=squares, op=nl.square, data=shifted, scale=1.0 / (hidden**0.5))  # sums to the variance
+        variance = _partition_total(squares, ones, 1.0)
+        rstd = nl.ndarray(variance.shape, nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=rstd, op=nl.rsqrt, data=variance, bias=eps_column)
+        rstds.append(rstd)
+    # n = (x - mean) * rstd, then * weight and + bias, in fp32; the last step writes x's dtype.
+    steps = [(op, spread) for op, spread in ((nl.multiply, w), (nl.add, b)) if spread is not None]
+    for (r0, count, _), shifted, mean, rstd in zip(groups, centred, means, rstds):
+        normed = nl.ndarray((parts, count, width), x.dtype if not steps else nl.float32, buffer=nl.sbuf)
+        if width >= DECODE_ROWWISE_WIDTH:
+            for j in range(count):
+                nisa.activation(dst=normed[:, j, :], op=nl.copy, data=shifted[:, j, :], scale=rstd[:, j : j + 1])
+        else:
+            nisa.tensor_tensor(
+                dst=normed, data1=shifted, data2=rstd.reshape((parts, count, 1)).broadcast(2, width), op=nl.multiply
+            )
+        result = normed
+        for i, (op, spread) in enumerate(steps):
+            step = nl.ndarray((parts, count, width), x.dtype if i == len(steps) - 1 else nl.float32, buffer=nl.sbuf)
+            engine = nisa.engine.gpsimd if op == nl.add else nisa.engine.vector
+            nisa.tensor_tensor(
+                dst=step,
+                data1=result,
+                data2=spread.reshape((parts, 1, width)).broadcast(1, count),
+                op=op,
+                engine=engine,
+            )
+            result = step
+        rows_out = out[r0 : r0 + count, :].reshape((count, parts, width)).permute((1, 0, 2))
+        nisa.dma_copy(dst=rows_out, src=result)
+        # every partition holds every row's mean and rstd
+        nisa.dma_copy(dst=mean_out[r0 : r0 + count, :].reshape((1, count)), src=mean[0:1, :])
+        nisa.dma_copy(dst=rstd_out[r0 : r0 + count, :].reshape((1, count)), src=rstd[0:1, :])
+
+
+def _partition_total(values, ones, scale):
+    """``scale`` x the sum of each row over the partitions and the last dim of ``values`` [parts, rows, c],
+    as [parts, rows] fp32 with every partition holding every row's value: VectorE sums each partition's
+    share, a ones matmul adds the partitions (one moving column per row), ScalarE scales it out of PSUM."""
+    parts, count = values.shape[0], values.shape[1]
+    partial = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=partial, op=nl.add, data=values, axis=2)
+    total = nl.ndarray((parts, count), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=total, stationary=ones, moving=partial, is_stationary_onezero=True)
+    scaled = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=scaled, op=nl.copy, data=total, scale=scale)
+    return scaled
+
+
 @nki.jit
 def layernorm_fwd(x, weight, bias, eps):
     """LayerNorm forward.
@@ -324,8 +440,13 @@ def layernorm_fwd(x, weight, bias, eps):
     out = nl.ndarray((rows_total, hidden), x.dtype, buffer=nl.shared_hbm)
     mean_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
     rstd_out = nl.ndarray((rows_total, 1), nl.float32, buffer=nl.shared_hbm)
-    w = None if weight is None else _broadcast(weight, hidden)
-    b = None if bias is None else _broadcast(bias, hidden)
+    parts = forward_decode_partitions(rows_total, hidden, x.dtype, weight is not None or bias is not None)
+    if parts:
+        _decode_forward(x, weight, bias, eps, out, mean_out, rstd_out, parts)
+        return out, mean_out, rstd_out
+    used = min(rows_total, P)  # the partitions the row tiles use
+    w = None if weight is None else _broadcast(weight, hidden, used)
+    b = None if bias is None else _broadcast(bias, hidden, used)
     eps_column = _constant_column(eps)
     sizes = (itemsize(x.dtype), *(0 if t is None else itemsize(t.dtype) for t in (weight, bias)))
     if forward_bytes(hidden, *sizes) <= nl.tile_size.total_available_sbuf_size:

@@ -1,5 +1,5 @@
-"""What the NKI kernels share: the partition count, tiling, element sizes, and the floor below which an
-attention logit counts as masked. Shipped beside the kernels in every kernel repo's ``nki_src``
+"""What the NKI kernels share: the partition count, tiling, element sizes, the floor below which an
+attention logit counts as masked, and the norms' decode layout choice. Shipped beside the kernels in every kernel repo's ``nki_src``
 (``kernels-neuron build``), so each Hub repo stays self-contained.
 """
 
@@ -30,3 +30,43 @@ def itemsize(dtype):
 # exp(masked - max) = 0 instead of exp(0) = 1 (masked scores are filled with the fp32 minimum); a row
 # whose logits all lie at or below it has seen no key (its output is zero).
 MASKED_LOGIT_FLOOR = -1.0e30
+
+
+# Few rows (decode batches) of a norm go through the decode layout (the RMSNorm and LayerNorm forwards'
+# ``_decode_forward``): each row spread over many partitions instead of one, the weight read from HBM
+# once. It is used while it gives every row at least DECODE_PARTITIONS_PER_ROW partitions (16 rows over
+# 128) and spreads rows over at least DECODE_MIN_PARTITIONS: beyond that the row tiles win, as every
+# partition of the decode layout works on every row and its DMAs move short runs. Both from the
+# modelled crossover (Trn2, benchmarks/norm_decode_sweep.py reruns it): over the shapes where it is
+# chosen (1..16 rows, 18 hidden sizes from 200 to 16384, bf16 and fp32), every RMSNorm convention and
+# every LayerNorm affine form models no slower than the row tiles. (A LayerNorm without a weight or a
+# bias asks for twice as many partitions per row: it has no copies for the layout to save.)
+DECODE_PARTITIONS_PER_ROW = 8
+DECODE_MIN_PARTITIONS = 32
+# The decode layout reads each partition's share of a row as one run of at least this many bytes: the
+# shortest AWS's rmsnorm_tkg reads in this layout straight from HBM (it does so above hidden 2048, 17 bf16
+# elements from hidden 2176, and loads contiguously and transposes on chip below). Hidden sizes whose
+# 128-way split gives shorter runs spread over fewer partitions.
+DECODE_MIN_RUN_BYTES = 34
+# Rows per group in the decode layout (each group loads, normalises and stores on its own): modelled for
+# RMSNorm at 8 rows of 4096 (Trn2, bf16), 5.0 us in groups of 4 against 5.6 us in one group and 5.3 us in
+# groups of 2; at 16 rows groups of 4 and 8 are within 2%.
+DECODE_GROUP_ROWS = 4
+# The decode layout normalises row by row on ScalarE (per row one instruction of max(64, c) cycles at
+# 1.2 GHz, c = H / partitions) when that beats one VectorE instruction over the group (two cycles per
+# element at 0.96 GHz, as the rstd operand is fp32): from 26 columns on (64 / 1.2 = 2 c / 0.96 at
+# c = 25.6, by AWS's per-instruction costs).
+DECODE_ROWWISE_WIDTH = 26
+
+
+def decode_partitions(rows, hidden, dtype, per_row=DECODE_PARTITIONS_PER_ROW):
+    """Partitions a norm's decode layout spreads each row over, or 0 when the row tiles serve ``rows``.
+
+    The largest divisor of ``hidden`` up to P whose share of a row is at least DECODE_MIN_RUN_BYTES, if
+    that gives each row ``per_row`` partitions and is at least DECODE_MIN_PARTITIONS.
+    """
+    shortest = ceil_div(DECODE_MIN_RUN_BYTES, itemsize(dtype))
+    for parts in range(min(P, hidden // shortest), DECODE_MIN_PARTITIONS - 1, -1):
+        if hidden % parts == 0:
+            return parts if rows * per_row <= parts else 0
+    return 0
