@@ -5,7 +5,7 @@ rows, a spread of hidden sizes, bf16 and fp32), model the RMSNorm forward (every
 forward (every affine form) on Trn2 as chosen and with the row tiles forced, and print the slowest
 ratios. The decode layout's switch point (``DECODE_PARTITIONS_PER_ROW``, ``DECODE_MIN_PARTITIONS``)
 rests on this sweep; it exits non-zero if the decode layout is modelled slower anywhere it is chosen.
-Takes about a minute.
+Takes about 20 seconds.
 
     python benchmarks/norm_decode_sweep.py
 """
@@ -43,7 +43,12 @@ VARIANTS: list[tuple[ModuleType, str, Callable, Callable]] = [
             lambda x, w, b, dtype, keep=keep: (x, w if keep[0] else None, b if keep[1] else None, EPS),
             lambda rows, hidden, dtype, keep=keep: layernorm.forward_decode_partitions(rows, hidden, dtype, any(keep)),
         )
-        for name, keep in (("weight+bias", (True, True)), ("weight", (True, False)), ("none", (False, False)))
+        for name, keep in (
+            ("weight+bias", (True, True)),
+            ("weight", (True, False)),
+            ("bias", (False, True)),
+            ("none", (False, False)),
+        )
     ),
 ]
 

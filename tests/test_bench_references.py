@@ -48,6 +48,7 @@ SMALL = [
     suite.decode_case("attention-decode/spec-gqa", "Mistral-7B", 1, 4, 2, 4, 300, d=64),
     suite.decode_case("attention-decode/softcap-d256", "Gemma-2-9B", 1, 4, 2, 1, 300, d=256, softcap=5.0),
     suite.decode_paged_case("attention-decode/paged", "Llama-3-8B", 2, 8, 2, 300, 16, d=64),
+    suite.decode_paged_case("attention-decode/paged-softcap-d256", "Gemma-2-9B", 1, 4, 2, 300, 16, d=256, softcap=5.0),
     suite.attention_case("attention-bwd/causal", "Llama-3-8B", 200, 200, d=64, backward=True),
     suite.attention_case("attention-bwd/packed", "Qwen3-8B", 300, 300, d=64, packed=(100, 150, 50), backward=True),
     suite.mlp_case("mlp-fwd/silu", "Llama-3-8B", 100, 192, 320),

@@ -387,7 +387,16 @@ def decode_case(
 
 
 def _paged_inputs(
-    batch: int, heads: int, kv_heads: int, sq: int, sk: int, d: int, block_size: int, seed: int, values: bool = True
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    sq: int,
+    sk: int,
+    d: int,
+    block_size: int,
+    softcap: float,
+    seed: int,
+    values: bool = True,
 ) -> tuple:
     """A paged cache holding ``sk`` keys per sequence in blocks scattered over the cache (the block
     table is drawn with or without ``values``: the kernel's trace depends on it)."""
@@ -398,25 +407,36 @@ def _paged_inputs(
     rng = structure if values else None
     q = _draw(rng, batch, heads, sq, d)
     k_slots, v_slots = _draw(rng, slots, kv_heads, d), _draw(rng, slots, kv_heads, d)
-    return (q, k_slots, v_slots, table, block_size, (sk,) * batch, d**-0.5, True, 0, 0.0)
+    return (q, k_slots, v_slots, table, block_size, (sk,) * batch, d**-0.5, True, 0, softcap)
 
 
 def _paged_forward(q, k_slots, v_slots, block_table, block_size, lengths, scale, causal, window, softcap):
     """The same attention in torch: each sequence's blocks gathered through the table, then sdpa (GQA)
-    over its ``lengths`` keys (the suite gives every sequence the same length)."""
+    over its ``lengths`` keys (the suite gives every sequence the same length), or with a softcap,
+    which sdpa cannot apply, the eager path."""
 
     def attend():
         kv_heads, d = k_slots.shape[1], k_slots.shape[2]
         blocks = block_table.long()
         keys = k_slots.view(-1, block_size, kv_heads, d)[blocks].flatten(1, 2).transpose(1, 2)[:, :, : lengths[0]]
         values = v_slots.view(-1, block_size, kv_heads, d)[blocks].flatten(1, 2).transpose(1, 2)[:, :, : lengths[0]]
+        if softcap:
+            return attention_reference(q, keys, values, scale=scale, softcap=softcap)
         return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
 
     return attend
 
 
 def decode_paged_case(
-    name: str, model: str, batch: int, heads: int, kv_heads: int, sk: int, block_size: int, d: int = 128
+    name: str,
+    model: str,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    sk: int,
+    block_size: int,
+    d: int = 128,
+    softcap: float = 0.0,
 ) -> Case:
     """``decode_case`` with one query per sequence against a paged cache (FlashAttention's
     ``[blocks, block_size, Hkv, D]`` viewed flat, the blocks scattered), read by the kernel through
@@ -424,11 +444,21 @@ def decode_paged_case(
     return Case(
         name=name,
         kernel=flash_decode_paged_fwd,
-        make_inputs=partial(_paged_inputs, batch, heads, kv_heads, 1, sk, d, block_size),
-        shape={"B": batch, "H": heads, "Hkv": kv_heads, "Sq": 1, "Sk": sk, "d": d, "block_size": block_size},
+        make_inputs=partial(_paged_inputs, batch, heads, kv_heads, 1, sk, d, block_size, softcap),
+        shape={
+            "B": batch,
+            "H": heads,
+            "Hkv": kv_heads,
+            "Sq": 1,
+            "Sk": sk,
+            "d": d,
+            "block_size": block_size,
+            **({"softcap": softcap} if softcap else {}),
+        },
         dtype="bfloat16",
         model=model,
-        reference_name="block-table gather + scaled_dot_product_attention",
+        reference_name="block-table gather + "
+        + ("eager attention (transformers' eager_attention_forward)" if softcap else "scaled_dot_product_attention"),
         prepare_reference=_paged_forward,
         standard_flops=4 * batch * heads * sk * d,
     )
@@ -684,6 +714,9 @@ CASES: list[Case] = [
     decode_paged_case("attention-fwd/qwen3-8b/decode-paged16-b1-of-4096", "Qwen3-8B", 1, 32, 8, 4096, 16),
     decode_paged_case("attention-fwd/llama3-8b/decode-paged16-b8-of-4096", "Llama-3-8B", 8, 32, 8, 4096, 16),
     decode_paged_case("attention-fwd/llama3-8b/decode-paged256-b8-of-4096", "Llama-3-8B", 8, 32, 8, 4096, 256),
+    decode_paged_case(
+        "attention-fwd/gemma2-9b/decode-paged16-b1-of-4096", "Gemma-2-9B", 1, 16, 8, 4096, 16, d=256, softcap=50.0
+    ),
     # Speculative / chunked decode: a few queries per sequence against a long cache.
     decode_case("attention-fwd/llama3-8b/spec-decode-4-of-4096", "Llama-3-8B", 1, 1, 1, 4, 4096),
     decode_case("attention-fwd/llama3-8b/spec-decode-16-of-4096", "Llama-3-8B", 1, 1, 1, 16, 4096),

@@ -52,6 +52,7 @@ WIDE_HEAD_CASES = [
     (1, 4, 2, 2, 1300, 256, True, None, None),
     (1, 8, 2, 16, 1100, 256, True, None, None),  # 64 rows: the max subtracted in PSUM
     (2, 4, 1, 3, 2900, 160, True, 700, 5.0),
+    (1, 16, 8, 1, 2000, 256, True, None, None),  # 8 KV heads: fp32 streams (the test below), bf16 resident
 ]
 CASES += WIDE_HEAD_CASES
 
@@ -467,6 +468,18 @@ def test_a_paged_cache_too_big_for_sbuf_streams_through_a_ring_of_value_buffers(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert len(gathers) >= 6 and marks == "KV" * (len(gathers) // 2)
     assert _two_in_flight(gathers)
+
+
+def test_head_dim_256_streams_through_the_pipeline_when_its_loads_do_not_fit_in_sbuf():
+    """Gemma-2's head size with 8 KV heads (fp32, 2000 keys: about 264 KB per partition of loads): the
+    contiguous cache loads each chunk in its pipeline stage and the paged one streams through the ring,
+    K and V alternating, and both match the reference (the wide-head cases above load resident)."""
+    out, expected, marks = _dense_run(16, 8, 1, 2000, 256, None, causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert len(marks) >= 16 and marks == "KV" * (len(marks) // 2), marks
+    out, expected, gathers, marks = _paged_run(1, 16, 8, 256, 16, [2000], 1, causal=True, softcap=30.0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert len(gathers) >= 4 and marks == "KV" * (len(gathers) // 2), marks
 
 
 def test_partitions_that_hold_whole_blocks_take_their_slots_straight_from_the_block_table():

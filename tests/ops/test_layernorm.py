@@ -354,6 +354,24 @@ def test_decode_layout_is_never_modelled_slower_than_row_tiles(rows, hidden, aff
     assert chosen.time_us < row_tiles.time_us
 
 
+@pytest.mark.parametrize(
+    "x_dtype, vector_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float16, torch.float32)],
+    ids=str,
+)
+def test_decode_layout_with_mixed_dtypes_computes_in_fp32_and_returns_the_inputs_dtype(x_dtype, vector_dtype):
+    """Weight and bias of another float dtype than x: the result is x's dtype, within the error of
+    rounding the exact (fp64) LayerNorm to it."""
+    x, w, b = _inputs((8, 4608), x_dtype, "weight+bias", vector_dtype=vector_dtype)
+    assert _decode_partitions(x.shape, x_dtype)
+    out = layer_norm(x, w, b, EPS)
+    assert out.dtype == x_dtype
+    exact = layer_norm_reference(x.double(), w.double(), b.double(), EPS)
+    rounding = (exact.to(x_dtype).double() - exact).abs().max()
+    assert rounding > 0  # the dtype does lose precision, so the bound below can fail
+    assert (out.double() - exact).abs().max() <= 1.5 * rounding
+
+
 def test_without_affine_the_decode_layout_needs_twice_the_partitions():
     """Negative control for the rule: forced on 16 fp32 rows of 1152 without a weight or a bias (8
     partitions per row), the decode layout is modelled slower than the row tiles the kernel chooses."""
