@@ -49,7 +49,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import MASKED_LOGIT_FLOOR, P, ceil_div, itemsize, tiles
+from ._common import MASKED_LOGIT_FLOOR, P, ceil_div, dtype_name, itemsize, tiles
 
 MAX_HEAD_DIM = 2 * P  # above 128 the contraction over D is split in 128-row blocks (two matmuls per S^T block)
 MAX_GROUP_ROWS = P  # query rows of one KV group: they are the matmul's stationary columns in P V
@@ -77,6 +77,7 @@ PAGED_KEY_LOADS = 3
 RESIDENT_LOAD_PIECES = 4
 MAX_PAGED_SLOTS = 2**24  # the block table becomes slot indices in fp32 arithmetic, exact to 2**24
 SBUF_RESERVE = 24 * 1024
+SMALLEST_SBUF_BYTES = 192 * 1024  # SBUF per partition on trn1, the smallest target (docs/hardware.md)
 TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied out by one instruction
 FP32_MIN = -3.4028234663852886e38
 
@@ -197,14 +198,25 @@ def value_buffers(kv_heads):
     return 2 + ceil_div(_LEAD + 1, kv_heads)
 
 
+def _paged_slot_bytes(kv_heads, head_dim, element_bytes):
+    """SBUF bytes per partition the paged cache's loads in flight take per key a partition holds: up to
+    PAGED_KEY_LOADS K tiles and the ring of V buffers, a slot of every KV head each."""
+    keys = PAGED_KEY_LOADS * kv_heads * head_dim * element_bytes
+    return keys + value_buffers(kv_heads) * kv_heads * (head_dim + 1) * element_bytes
+
+
+def paged_fits(kv_heads, head_dim, element_bytes, sbuf_bytes=SMALLEST_SBUF_BYTES):
+    """Whether the paged kernel's loads fit an SBUF partition of ``sbuf_bytes`` (less SBUF_RESERVE) with
+    one key per partition, its smallest chunk (by default on the smallest target's SBUF)."""
+    return _paged_slot_bytes(kv_heads, head_dim, element_bytes) <= sbuf_bytes - SBUF_RESERVE
+
+
 def paged_keys_per_partition(block_size, kv_heads, head_dim, element_bytes, rows, sbuf_bytes):
     """T for a paged cache: a power of two dividing ``block_size``, with S^T within SCORE_BANKS PSUM
-    banks, and the loads in flight within the SBUF partition (``sbuf_bytes``) less
-    SBUF_RESERVE: up to PAGED_KEY_LOADS K tiles and the ring of V buffers, T slots of every KV
-    head each."""
+    banks, and the loads in flight (``_paged_slot_bytes``) within the SBUF partition (``sbuf_bytes``)
+    less SBUF_RESERVE."""
     t = block_size & -block_size
-    slot_bytes = PAGED_KEY_LOADS * kv_heads * head_dim * element_bytes
-    slot_bytes += value_buffers(kv_heads) * kv_heads * (head_dim + 1) * element_bytes
+    slot_bytes = _paged_slot_bytes(kv_heads, head_dim, element_bytes)
     while t > 1 and (t * slot_bytes > sbuf_bytes - SBUF_RESERVE or t > SCORE_BANKS * _bank_blocks(rows)):
         t //= 2
     return t
@@ -926,8 +938,16 @@ def flash_decode_paged_fwd(q, k_slots, v_slots, block_table, block_size, lengths
     check_paged(k_slots.shape, v_slots.shape, block_table.shape, block_size, lengths, batch)
     out = nl.ndarray((batch, heads, sq, d), q.dtype, buffer=nl.shared_hbm)
     lse_out = nl.ndarray((batch, heads, sq), nl.float32, buffer=nl.shared_hbm)
+    element_bytes, sbuf_bytes = itemsize(k_slots.dtype), nl.tile_size.sbuf_fmax_bytes
+    if not paged_fits(kv_heads, d, element_bytes, sbuf_bytes):
+        raise ValueError(
+            f"flash_decode_paged: {kv_heads} KV heads x head_dim {d} ({dtype_name(k_slots.dtype)}) need "
+            f"{_paged_slot_bytes(kv_heads, d, element_bytes):,} bytes per partition for one key of each load in "
+            f"flight, above the {sbuf_bytes - SBUF_RESERVE:,} this target's SBUF leaves them; gather the "
+            "blocks and use flash_decode_fwd"
+        )
     per_partition = paged_keys_per_partition(
-        block_size, kv_heads, d, itemsize(k_slots.dtype), (heads // kv_heads) * sq, nl.tile_size.sbuf_fmax_bytes
+        block_size, kv_heads, d, element_bytes, (heads // kv_heads) * sq, sbuf_bytes
     )
     cache = _PagedCache(k_slots, v_slots, block_table, block_size, per_partition)
     _attend(q, scale, causal, window, softcap, kv_heads, [(0, n) for n in lengths], per_partition, cache, out, lse_out)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kernels_neuron import cost, sim
 from kernels_neuron.ops import attention as ops
 from kernels_neuron.ops.attention import DECODE_MAX_QUERIES, attention_reference, flash_attention
+from kernels_neuron.ops.flash_attn_interface import flash_attn_with_kvcache
 
 DECODE = ops._decode
 
@@ -544,6 +545,43 @@ def test_a_batch_1_paged_cache_is_modelled_within_10_percent_of_the_contiguous_o
 def test_a_cache_with_more_slots_than_fp32_counts_exactly_is_refused():
     with pytest.raises(ValueError, match="above the limit of 16777216 \\(slot indices are computed on chip in fp32"):
         DECODE.check_paged((2**24 + 16, 2, 64), (2**24 + 16, 2, 64), (1, 4), 16, (10,), 1)
+
+
+def test_a_paged_cache_whose_loads_outgrow_sbuf_is_refused_by_the_kernel_and_gathered_by_the_op():
+    """48 fp32 KV heads of 256: one key per partition of the loads in flight is over SBUF. The kernel
+    names the limit; flash_attn_with_kvcache gathers the blocks in torch and decodes on the dense kernel."""
+    kv_heads, d = 48, 256
+    assert not ops.paged_fits(kv_heads, d, 4) and ops.paged_fits(8, d, 4)
+    k_cache, v_cache, table, dense_k, dense_v = _paged(1, kv_heads, d, 16, [40])
+    q = _inputs(1, kv_heads, kv_heads, 1, 1, d, seed=15)[0]
+    with pytest.raises(ValueError, match="48 KV heads x head_dim 256 \\(float32\\) need 295,488 bytes per partition"):
+        sim.run(
+            DECODE.flash_decode_paged_fwd,
+            q,
+            k_cache.view(-1, kv_heads, d),
+            v_cache.view(-1, kv_heads, d),
+            table,
+            16,
+            (40,),
+            d**-0.5,
+            True,
+            0,
+            0.0,
+        )
+    (out, _), kernels = _kernels_run(
+        lambda: flash_attn_with_kvcache(
+            q.transpose(1, 2),
+            k_cache,
+            v_cache,
+            cache_seqlens=torch.tensor([40], dtype=torch.int32),
+            block_table=table,
+            causal=True,
+            return_softmax_lse=True,
+        )
+    )
+    assert kernels == ["flash_decode_fwd"]
+    expected = _per_row_reference(q, dense_k, dense_v, [(0, 40)], causal=True)
+    torch.testing.assert_close(out.transpose(1, 2), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -290,6 +290,12 @@ def decodes(q: torch.Tensor, k: torch.Tensor) -> bool:
     return sq <= DECODE_MAX_QUERIES and rows <= _decode.MAX_GROUP_ROWS and d <= _decode.MAX_HEAD_DIM
 
 
+def paged_fits(kv_heads: int, head_dim: int, element_size: int) -> bool:
+    """Whether the paged decode kernel's loads fit SBUF on every target for a cache of ``kv_heads`` KV
+    heads of ``head_dim`` elements of ``element_size`` bytes (``attention_decode.paged_fits``)."""
+    return bool(_decode.paged_fits(kv_heads, head_dim, element_size))
+
+
 def _ranges(key_ranges: list[int], batch: int) -> tuple[tuple[int, int], ...] | None:
     """The op's flat ``[start0, end0, start1, end1, ...]`` (empty: whole rows) as the kernel's pairs."""
     if not key_ranges:
@@ -729,4 +735,5 @@ __all__ = [
     "flash_attn_fwd",
     "flash_attn_varlen",
     "mask_to_bias",
+    "paged_fits",
 ]

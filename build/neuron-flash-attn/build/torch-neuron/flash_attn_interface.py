@@ -33,6 +33,7 @@ from .attention import (
     flash_attn_varlen,
     flash_decode_paged_fwd,
     kernel_options,
+    paged_fits,
 )
 
 _Result = TypeVar("_Result")
@@ -541,8 +542,16 @@ def _check_kvcache(op: str, q, k_cache, v_cache, k, v, cache_seqlens, block_tabl
 
 def _reads_pages(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the paged decode kernel reads a paged cache ``[blocks, block_size, Hkv, D]`` itself: few
-    queries (``decodes``), the query in the cache's dtype, a contiguous cache."""
-    return query.dtype == k_cache.dtype and k_cache.is_contiguous() and decodes(query, k_cache.transpose(1, 2))
+    queries (``decodes``), the query in the cache's dtype, a contiguous cache, and its loads within
+    SBUF on every target (``paged_fits``: a cache with many KV heads of a large head_dim is gathered
+    by torch instead)."""
+    kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+    return (
+        query.dtype == k_cache.dtype
+        and k_cache.is_contiguous()
+        and decodes(query, k_cache.transpose(1, 2))
+        and paged_fits(kv_heads, d, k_cache.element_size())
+    )
 
 
 def flash_attn_with_kvcache(
