@@ -13,8 +13,9 @@ Dimensions
 Tiling plan
     Rows go 128 to a tile, one row per partition; a tile's rows stay in SBUF while the free dim is
     processed in chunks of at most FREE_CHUNK elements. The weight and bias are broadcast once per
-    kernel to the partitions the row tiles use. Rows SBUF cannot hold with their result (``_StreamedRows``; in the
-    backward ``_BackwardPlan.streamed``) stream through twice in chunks of STREAM_CHUNK elements.
+    kernel to the partitions the row tiles use. Rows SBUF cannot hold with their result
+    (``_StreamedRows``; in the backward ``_BackwardPlan.streamed``) stream through twice in chunks of
+    STREAM_CHUNK elements.
 
 Engine plan (forward), per row tile
     VectorE: ``bn_stats`` over 512-element pieces and one ``bn_aggr`` give each row's mean and
@@ -32,12 +33,12 @@ Engine plan (forward), per row tile
     in program order.
 
 Decode layout (forward)
-    Few rows (``forward_decode_partitions``, the RMSNorm forward's choice: up to 16 rows at hidden 4096,
-    8 without a weight or a bias) are
-    spread over the partitions instead (``_decode_forward``): partition p holds columns [p c, (p + 1) c)
-    of every row (c = H / partitions), so the weight and the bias are [partitions, c] tiles read from
-    HBM once (two 9 KB reads at Starcoder2-7B's hidden 4608, where copies on 128 partitions move 2.4 MB)
-    and broadcast along the rows by the access pattern. The statistics take two passes, as torch's:
+    Few rows (``forward_decode_partitions``, the RMSNorm forward's choice: up to 16 rows at hidden
+    4096, 8 without a weight or a bias) are spread over the partitions instead (``_decode_forward``):
+    partition p holds columns [p c, (p + 1) c) of every row (c = H / partitions), so the weight and
+    the bias are [partitions, c] tiles read from HBM once (two 9 KB reads at Starcoder2-7B's hidden
+    4608, where copies on 128 partitions move 2.4 MB) and broadcast along the rows by the access
+    pattern. The statistics take two passes, as torch's:
     VectorE sums each row's elements per partition and a ones matmul adds the partitions' sums (every
     partition gets every row's total, one moving column per row, so a NaN stays in its own row); then
     the same for the squares of x - mean, so the variance never comes from E[x^2] - mean^2. ScalarE

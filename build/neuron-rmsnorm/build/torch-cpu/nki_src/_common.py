@@ -1,6 +1,6 @@
 """What the NKI kernels share: the partition count, tiling, element sizes, the floor below which an
-attention logit counts as masked, and the norms' decode layout choice. Shipped beside the kernels in every kernel repo's ``nki_src``
-(``kernels-neuron build``), so each Hub repo stays self-contained.
+attention logit counts as masked, and the norms' decode layout choice. Shipped beside the kernels in
+every kernel repo's ``nki_src`` (``kernels-neuron build``), so each Hub repo stays self-contained.
 """
 
 P = 128  # partitions of SBUF and PSUM: the rows of an on-chip tile, the contraction of a matmul
