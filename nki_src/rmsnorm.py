@@ -68,6 +68,7 @@ from ._common import (
     P,
     decode_partitions,
     itemsize,
+    partition_sums,
     tiles,
 )
 
@@ -197,10 +198,7 @@ def _decode_forward(x, weight, eps, convention, out, rstd_out, parts):
     for r0, count, tile in groups:
         squares = nl.ndarray((parts, count, width), nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=squares, op=nl.square, data=tile, scale=1.0 / (hidden**0.5))  # sums to mean(x^2)
-        partial = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=partial, op=nl.add, data=squares, axis=2)
-        mean_square = nl.ndarray((parts, count), nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=mean_square, stationary=ones, moving=partial, is_stationary_onezero=True)
+        mean_square = partition_sums(squares, ones)
         rstd = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=rstd, op=nl.rsqrt, data=mean_square, bias=eps_column)
         # Llama rounds the normalised value to x's dtype before the weight; the fp32 conventions do not.

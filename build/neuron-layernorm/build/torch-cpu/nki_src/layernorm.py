@@ -57,6 +57,7 @@ from ._common import (
     P,
     decode_partitions,
     itemsize,
+    partition_sums,
     tiles,
 )
 
@@ -403,15 +404,9 @@ def _decode_forward(x, weight, bias, eps, out, mean_out, rstd_out, parts):
 
 
 def _partition_total(values, ones, scale):
-    """``scale`` x the sum of each row over the partitions and the last dim of ``values`` [parts, rows, c],
-    as [parts, rows] fp32 with every partition holding every row's value: VectorE sums each partition's
-    share, a ones matmul adds the partitions (one moving column per row), ScalarE scales it out of PSUM."""
-    parts, count = values.shape[0], values.shape[1]
-    partial = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=partial, op=nl.add, data=values, axis=2)
-    total = nl.ndarray((parts, count), nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=total, stationary=ones, moving=partial, is_stationary_onezero=True)
-    scaled = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+    """``scale`` x ``partition_sums(values, ones)``, scaled out of PSUM into SBUF by ScalarE."""
+    total = partition_sums(values, ones)
+    scaled = nl.ndarray(total.shape, nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=scaled, op=nl.copy, data=total, scale=scale)
     return scaled
 

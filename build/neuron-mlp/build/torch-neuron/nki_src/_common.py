@@ -3,6 +3,9 @@ attention logit counts as masked, and the norms' decode layout choice. Shipped b
 every kernel repo's ``nki_src`` (``kernels-neuron build``), so each Hub repo stays self-contained.
 """
 
+import nki.isa as nisa
+import nki.language as nl
+
 P = 128  # partitions of SBUF and PSUM: the rows of an on-chip tile, the contraction of a matmul
 
 
@@ -70,3 +73,16 @@ def decode_partitions(rows, hidden, dtype, per_row=DECODE_PARTITIONS_PER_ROW):
         if hidden % parts == 0:
             return parts if rows * per_row <= parts else 0
     return 0
+
+
+def partition_sums(values, ones):
+    """Each row's sum over the partitions and the last dim of ``values`` [parts, rows, c], as [parts, rows]
+    fp32 in PSUM with every partition holding every row's sum (the norms' decode layout): VectorE sums
+    each partition's share, a matmul against ``ones`` [parts, parts] fp32 adds the partitions, one moving
+    column per row, so a NaN or inf stays in its own row."""
+    parts, count = values.shape[0], values.shape[1]
+    partial = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=partial, op=nl.add, data=values, axis=2)
+    total = nl.ndarray((parts, count), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=total, stationary=ones, moving=partial, is_stationary_onezero=True)
+    return total
