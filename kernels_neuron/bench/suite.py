@@ -274,6 +274,11 @@ def _attention_backward(q, k, v, out, dout, lse, bias, scale, causal, window, so
     return autograd_backward(forward, dout, (q, k, v))
 
 
+def _attention_reference_name(sdpa: bool) -> str:
+    """The attention references' names: sdpa where transformers would call it, else its eager path."""
+    return "scaled_dot_product_attention" if sdpa else "eager attention (transformers' eager_attention_forward)"
+
+
 def attention_case(
     name: str,
     model: str,
@@ -311,11 +316,7 @@ def attention_case(
         },
         dtype="bfloat16",
         model=model,
-        reference_name=(
-            "scaled_dot_product_attention"
-            if _sdpa_expresses(sq, sk, window, softcap, bool(packed))
-            else "eager attention (transformers' eager_attention_forward)"
-        )
+        reference_name=_attention_reference_name(_sdpa_expresses(sq, sk, window, softcap, bool(packed)))
         + (" backward (autograd)" if backward else ""),
         prepare_reference=_attention_backward if backward else _attention_forward,
         standard_flops=flops,
@@ -378,9 +379,7 @@ def decode_case(
         },
         dtype="bfloat16",
         model=model,
-        reference_name="scaled_dot_product_attention"
-        if sq == 1 and not softcap
-        else "eager attention (transformers' eager_attention_forward)",
+        reference_name=_attention_reference_name(sq == 1 and not softcap),
         prepare_reference=_decode_forward,
         standard_flops=4 * batch * heads * sq * sk * d,
     )
@@ -457,8 +456,7 @@ def decode_paged_case(
         },
         dtype="bfloat16",
         model=model,
-        reference_name="block-table gather + "
-        + ("eager attention (transformers' eager_attention_forward)" if softcap else "scaled_dot_product_attention"),
+        reference_name="block-table gather + " + _attention_reference_name(not softcap),
         prepare_reference=_paged_forward,
         standard_flops=4 * batch * heads * sk * d,
     )
