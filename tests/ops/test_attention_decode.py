@@ -54,6 +54,7 @@ WIDE_HEAD_CASES = [
     (1, 8, 2, 16, 1100, 256, True, None, None),  # 64 rows: the max subtracted in PSUM
     (2, 4, 1, 3, 2900, 160, True, 700, 5.0),
     (1, 16, 8, 1, 2000, 256, True, None, None),  # 8 KV heads: fp32 streams (the test below), bf16 resident
+    (1, 8, 1, 16, 700, 256, True, 300, 3.0),  # the 128-row limit at head_dim 256, windowed and softcapped
 ]
 CASES += WIDE_HEAD_CASES
 
