@@ -121,7 +121,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import P, ceil_div, dtype_name, itemsize, tiles
+from ._common import SMALLEST_SBUF_BYTES, P, ceil_div, dtype_name, itemsize, tiles
 
 # The fused MLP's limits and activations, which each expert's MLP shares.
 from .mlp import (  # noqa: F401  (ACTIVATIONS, DTYPES, MAX_HIDDEN*, max_hidden: this kernel's limits too)
@@ -145,7 +145,7 @@ from .mlp import (  # noqa: F401  (ACTIVATIONS, DTYPES, MAX_HIDDEN*, max_hidden:
 
 TOKEN_TILE = 128  # slots per token tile: one gather of rows onto partitions, one transpose
 MAX_BLOCK_TOKENS = 1024  # slots of one block, whose x^T stays in SBUF while the expert's weights stream past
-PLAN_SBUF_BYTES = 192 * 1024  # the block layout is planned for Trn1's SBUF, the smallest target's
+PLAN_SBUF_BYTES = SMALLEST_SBUF_BYTES  # the block layout is planned for Trn1's SBUF, the smallest target's
 MOVING_COLUMNS = PSUM_BANK_BYTES // 4  # moving free size of one matmul: a PSUM bank of fp32
 # Token tiles per matmul of the forward's projections, widest first: a block's used token tiles go in runs
 # of 4 (MOVING_COLUMNS), then at most one run of 2 and one of 1 (the count's binary digits), so a block of

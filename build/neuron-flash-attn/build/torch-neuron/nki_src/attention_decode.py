@@ -49,7 +49,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ._common import MASKED_LOGIT_FLOOR, P, ceil_div, dtype_name, itemsize, tiles
+from ._common import MASKED_LOGIT_FLOOR, SMALLEST_SBUF_BYTES, P, ceil_div, dtype_name, itemsize, tiles
 
 MAX_HEAD_DIM = 2 * P  # above 128 the contraction over D is split in 128-row blocks (two matmuls per S^T block)
 MAX_GROUP_ROWS = P  # query rows of one KV group: they are the matmul's stationary columns in P V
@@ -77,7 +77,6 @@ PAGED_KEY_LOADS = 3
 RESIDENT_LOAD_PIECES = 4
 MAX_PAGED_SLOTS = 2**24  # the block table becomes slot indices in fp32 arithmetic, exact to 2**24
 SBUF_RESERVE = 24 * 1024
-SMALLEST_SBUF_BYTES = 192 * 1024  # SBUF per partition on trn1, the smallest target (docs/hardware.md)
 TRANSPOSE_GROUP = 4  # 128-key blocks transposed into one PSUM tile and copied out by one instruction
 FP32_MIN = -3.4028234663852886e38
 

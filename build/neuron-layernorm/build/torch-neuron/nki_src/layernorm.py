@@ -54,6 +54,7 @@ from ._common import (
     DECODE_GROUP_ROWS,
     DECODE_PARTITIONS_PER_ROW,
     DECODE_ROWWISE_WIDTH,
+    SMALLEST_SBUF_BYTES,  # the op and the layers accept a hidden size only where the kernels fit it on every target
     P,
     decode_partitions,
     itemsize,
@@ -86,9 +87,6 @@ STREAM_CHUNK = 1024
 STREAM_BUFFERS = 2
 MIN_HIDDEN = 1
 MAX_HIDDEN = 32768
-# SBUF per partition on trn1, the smallest target (docs/hardware.md): the op and the layers accept a
-# hidden size only where the kernels fit it on every target.
-SMALLEST_SBUF_BYTES = 192 * 1024
 BACKWARD_TEMPORARIES = 4 + 4 + 4 + 2 + 4  # bytes per column of a chunk: g, p, p * w, a discarded copy, dx's affine
 
 

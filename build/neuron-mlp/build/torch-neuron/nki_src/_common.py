@@ -7,6 +7,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 P = 128  # partitions of SBUF and PSUM: the rows of an on-chip tile, the contraction of a matmul
+# SBUF per partition on trn1, the smallest target (docs/hardware.md): what the ops accept must fit every target.
+SMALLEST_SBUF_BYTES = 192 * 1024
 
 
 def tiles(total, size):
