@@ -9,7 +9,6 @@ the run's trace.
 from __future__ import annotations
 
 import functools
-import types
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -435,6 +434,10 @@ _MATMUL_IN = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn", "bfloat16", "float1
 _MATMUL_FP32 = {"tfloat32", "float32"}
 
 
+# The tile sizes (rows, columns) of TensorE's tiling mode; the smallest only from generation 3 (Trn3) on.
+_TILING_MODE_SIZES = (32, 64, 128)
+
+
 def _check_tiling(
     instr: str, tile_position: Sequence[Any], tile_size: Sequence[Any], generation: int, k: int, m: int
 ) -> tuple[int, int]:
@@ -444,7 +447,7 @@ def _check_tiling(
         return operands.PE_ARRAY, operands.PE_ARRAY
     rows, cols = (int(v) for v in tile_size)
     start_row, start_col = (int(v) for v in tile_position)
-    legal = (32, 64, 128) if generation >= 3 else (64, 128)
+    legal = _TILING_MODE_SIZES if generation >= 3 else _TILING_MODE_SIZES[1:]
     for label, size, start in (("row", rows, start_row), ("column", cols, start_col)):
         if size not in legal:
             raise rule(instr, "tile_size", f"{label} tile size must be one of {legal}", value=size)
@@ -1699,7 +1702,7 @@ def nc_stream_shuffle(dst: Tensor, src: Tensor, shuffle_mask: Sequence[int], nam
     # Both starts follow the alignment of the active partitions of the larger side, rounded up to
     # whole quadrants (nki.isa.nc_stream_shuffle's docstring, constraint 3).
     active = -(-max(src.partition_size, dst.partition_size) // 32) * 32
-    starts = (0,) if active > 64 else (0, 64) if active > 32 else (0, 32, 64, 96)
+    starts = tuple(range(0, 128 - active + 1, active))  # the span's multiples within 128 partitions
     for role, t in (("src", src), ("dst", dst)):
         if t.start_partition not in starts:
             raise rule(
@@ -2099,6 +2102,8 @@ def _returns_handle(function: Any) -> Any:
 _NOT_INSTRUCTIONS = {"get_nc_version", "get_nc_sub_version", "register_alloc"}
 for _name in __all__:
     _value = globals()[_name]
-    if isinstance(_value, types.FunctionType) and _name not in _NOT_INSTRUCTIONS and not _name.startswith("register"):
+    # Every function of the API (a plain function here, a Cython function in a compiled build), no class.
+    is_function = callable(_value) and not isinstance(_value, type)
+    if is_function and _name not in _NOT_INSTRUCTIONS and not _name.startswith("register"):
         globals()[_name] = _returns_handle(_value)
-del _name, _value
+del _name, _value, is_function
