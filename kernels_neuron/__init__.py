@@ -8,6 +8,11 @@
 
 from typing import Any
 
+from . import compiled_sim as _compiled_sim
+
+# Before any simulator module loads: its compiled build, where one of the current sources exists.
+_compiled_sim.activate()
+
 __version__ = "0.1.0"
 __all__ = ["kernelize", "register_attention", "register_mapping"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_bench_references import SMALL
 
-from kernels_neuron import bench, cost, sim
+from kernels_neuron import bench, compiled_sim, cost, sim
 from kernels_neuron.bench import suite as bench_suite
 from kernels_neuron.bench.calibration import fully_optimized
 from kernels_neuron.cli import main
@@ -193,7 +193,9 @@ def test_cli_says_which_simulation_ran(tmp_path, capsys):
     (record,) = json.loads(out_json.read_text())["records"]
     assert "checked against a full simulation" in record["simulation"]
     assert main(["bench", "--filter", "decode128", "--json", str(out_json)]) == 0
-    assert "Simulated trace-only" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Simulated trace-only" in out
+    assert f"Simulator: {compiled_sim.status()}." in out  # pure Python in the default test run (conftest.py)
     (record,) = json.loads(out_json.read_text())["records"]
     assert record["simulation"] == "trace-only"
 
