@@ -218,6 +218,8 @@ def test_head_dim_above_256_keeps_the_models_own_attention(arch):
         torch.testing.assert_close(got[mask.bool()], own(ids, attention_mask=mask).logits[mask.bool()], **TOL)
         torch.testing.assert_close(got_unpadded, own(ids).logits, **TOL)  # no mask: causal all the same
     assert attention_launches(traces) == 0
+    reason = model.model.layers[0].self_attn.kernels_neuron_fallback  # the call's reason, as it warned
+    assert reason.count("head_dim 320 is above") == 1, reason  # the module's and the query's, named once
 
 
 def test_attention_dropout_in_training_keeps_the_models_own_attention():

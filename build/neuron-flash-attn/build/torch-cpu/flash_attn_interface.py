@@ -72,7 +72,7 @@ def unsupported_reasons(
         dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
         if dropout > 0:
             reasons.append(f"attention dropout {dropout} in training: the kernel has no dropout")
-    return reasons
+    return list(dict.fromkeys(reasons))  # the module and the call can give the same reason (head_dim, sinks)
 
 
 def _call_reasons(query, key, value, dropout, s_aux) -> list[str]:
