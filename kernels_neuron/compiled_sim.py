@@ -2,10 +2,10 @@
 
 A trace-only simulation spends its time in the simulator's own Python (per simulated instruction: the
 operand views, the NeuronCore's rules, the memory bookkeeping, the trace record), about 25-33 µs of
-CPU on the 2-core development machine. Cython compiles :data:`MODULES` as they are, in its
-pure-Python mode: no source changes, and no annotation used as a C type (``annotation_typing`` off),
-so every function keeps Python's semantics and a float stays a Python or NumPy float. The README's
-speed section has the measured gain.
+CPU on the 2-core development machine. Cython compiles :data:`MODULES` as they are (nothing is
+rewritten for it), in its pure-Python mode with no annotation used as a C type (``annotation_typing``
+off), so every function keeps Python's semantics and a float stays a Python or NumPy float. The
+README ("A compiled build") has the measured gain.
 
 Use::
 
