@@ -6,3 +6,10 @@ run checks what a fresh clone runs. tests/test_compiled_sim.py tests the compile
 import os
 
 os.environ.setdefault("KERNELS_NEURON_SIM_COMPILED", "0")
+if os.environ["KERNELS_NEURON_SIM_COMPILED"] == "1":  # asked for: run on the build or not at all
+    from kernels_neuron import compiled_sim
+
+    if not compiled_sim.is_built():
+        raise RuntimeError(
+            "KERNELS_NEURON_SIM_COMPILED=1: no compiled build of the current sources; run kernels-neuron compile-sim"
+        )

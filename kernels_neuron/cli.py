@@ -275,7 +275,7 @@ def _compile_sim(args: argparse.Namespace) -> int:
 
             try:
                 compiled_sim.build(jobs=args.jobs, on_done=done)
-            except RuntimeError as exc:
+            except (RuntimeError, OSError) as exc:
                 console.print(f"[red]{exc}[/]")
                 return 1
         console.print(f"Compiled {len(compiled_sim.MODULES)} modules in {time.perf_counter() - start:.0f} s.")
@@ -283,6 +283,8 @@ def _compile_sim(args: argparse.Namespace) -> int:
         f"The build of the current sources is in {folder}; every process that imports kernels_neuron "
         f"from now on simulates with it ({compiled_sim.ENV_VAR}=0 turns it off), until a module changes."
     )
+    if compiled_sim.switched_off():
+        console.print(f"It is off in this environment: {compiled_sim.ENV_VAR} is set to 0.")
     return 0
 
 
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     install_cmd.set_defaults(run=_install)
     compile_cmd = commands.add_parser(
         "compile-sim",
-        help="compile the simulator's hot modules with Cython (the bench suite measured 15-28%% faster; needs the "
+        help="compile the simulator's hot modules with Cython (the bench suite took 15-28%% less wall; needs the "
         "fast extra and a C compiler)",
     )
     compile_cmd.add_argument("--jobs", type=_positive_int, default=0, help="modules compiled at once (default: CPUs)")

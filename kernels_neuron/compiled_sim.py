@@ -19,19 +19,19 @@ current digest: after an edit of any of them, the whole set falls back to the Py
 the next ``compile-sim``, never a stale build. ``KERNELS_NEURON_SIM_COMPILED=0`` turns it off (the
 test run does: a compiled module has no doctests to collect). :func:`status` says which ran.
 
->>> status().startswith(("compiled", "pure Python"))
-True
+>>> build_dir().parent.name, len(MODULES)
+('compiled-sim', 9)
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -61,6 +61,7 @@ DIRECTIVES = {
     "always_allow_keywords": True,
 }
 _MARKER = "complete"  # written last: a folder without it is an interrupted build
+KEPT_BUILDS = 3  # builds of other sources kept beside the newest (other checkouts, other commits)
 _COMPILE_ONE = """
 import json, sys
 from Cython.Build import cythonize
@@ -76,12 +77,18 @@ def _source(module: str) -> Path:
     return PACKAGE_DIR.parent.joinpath(*module.split(".")).with_suffix(".py")
 
 
-def digest(modules: Sequence[str] = MODULES) -> str:
-    """A digest of the modules' names and sources, the directives, and the interpreter and platform."""
+def _copy_path(root: Path, module: str) -> Path:
+    return root.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def digest(modules: Sequence[str] = MODULES, root: Path | None = None) -> str:
+    """A digest of the modules' names and sources (the package's, or the copies under ``root``), the
+    directives, and the interpreter and platform."""
     abi = (sys.implementation.cache_tag, importlib.machinery.EXTENSION_SUFFIXES[0])
     sha = hashlib.sha256(repr((sorted(modules), DIRECTIVES, abi)).encode())
     for module in sorted(modules):
-        sha.update(module.encode() + b"\0" + _source(module).read_bytes() + b"\0")
+        source = _source(module) if root is None else _copy_path(root, module)
+        sha.update(module.encode() + b"\0" + source.read_bytes() + b"\0")
     return sha.hexdigest()[:20]
 
 
@@ -92,22 +99,36 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kernels-neuron"
 
 
+def _folder(source_digest: str) -> Path:
+    return cache_root() / "compiled-sim" / f"{sys.implementation.cache_tag}-{source_digest}"
+
+
 def build_dir(modules: Sequence[str] = MODULES) -> Path:
     """Where the build of these modules' current sources is (or would be) kept."""
-    return cache_root() / "compiled-sim" / f"{sys.implementation.cache_tag}-{digest(modules)}"
+    return _folder(digest(modules))
+
+
+def _complete(folder: Path, modules: Sequence[str]) -> bool:
+    return (folder / _MARKER).is_file() and all(_extension(folder, m).is_file() for m in modules)
 
 
 def is_built(modules: Sequence[str] = MODULES) -> bool:
-    """Whether a complete build of these modules' current sources is in the cache."""
-    return (build_dir(modules) / _MARKER).is_file()
+    """Whether a complete build of these modules' current sources is in the cache: the marker written
+    last, and every module's extension (a damaged build counts as none, and compile-sim replaces it)."""
+    try:
+        folder = build_dir(modules)
+    except OSError:  # an install without the sources: nothing to compile or to match
+        return False
+    return _complete(folder, modules)
 
 
 def _extension(folder: Path, module: str) -> Path:
     return folder / (module.rpartition(".")[2] + importlib.machinery.EXTENSION_SUFFIXES[0])
 
 
-class _CompiledFinder(importlib.abc.MetaPathFinder):
-    """Finds each of ``modules`` as its extension module in ``folder``."""
+class _CompiledFinder:
+    """A meta path finder (the import system's protocol: ``find_spec``) for each of ``modules`` as its
+    extension module in ``folder``."""
 
     def __init__(self, folder: Path, modules: Sequence[str]):
         self.folder, self.modules = folder, frozenset(modules)
@@ -124,17 +145,26 @@ def _finder() -> _CompiledFinder | None:
     return next((f for f in sys.meta_path if isinstance(f, _CompiledFinder)), None)
 
 
-def _switched_off() -> bool:
+def switched_off() -> bool:
+    """Whether ``KERNELS_NEURON_SIM_COMPILED`` turns the compiled build off in this environment."""
     return os.environ.get(ENV_VAR, "") in ("0", "false", "False", "no")
 
 
 def activate(modules: Sequence[str] = MODULES) -> bool:
     """Load ``modules`` from their compiled build from now on, if there is a complete one of their current
-    sources and ``KERNELS_NEURON_SIM_COMPILED`` is not 0. A module imported before keeps its Python form,
-    so ``kernels_neuron`` calls this on import, before the simulator loads. Returns whether it did."""
-    if _switched_off() or _finder() is not None:
-        return _finder() is not None
+    sources and ``KERNELS_NEURON_SIM_COMPILED`` is not 0 (when it is 1 and there is none, a warning says
+    so). A module imported before keeps its Python form, so ``kernels_neuron`` calls this on import,
+    before the simulator loads. Returns whether these modules load compiled."""
+    finder = _finder()
+    if switched_off() or finder is not None:
+        return finder is not None and finder.modules == frozenset(modules)
     if not is_built(modules):
+        if os.environ.get(ENV_VAR) == "1":
+            warnings.warn(
+                f"{ENV_VAR}=1, but there is no compiled build of the simulator's current sources: it runs "
+                "them as Python (kernels-neuron compile-sim builds it)",
+                stacklevel=2,
+            )
         return False
     sys.meta_path.insert(0, _CompiledFinder(build_dir(modules), modules))
     return True
@@ -154,7 +184,7 @@ def loaded() -> list[str]:
 
 def status() -> str:
     """One line: which form of the simulator this process runs, and how to change it."""
-    if _switched_off():
+    if switched_off():
         return f"pure Python ({ENV_VAR}=0)"
     finder = _finder()
     if finder is not None:
@@ -186,23 +216,26 @@ def build(
 
     from filelock import FileLock
 
-    folder = build_dir(modules)
-    if is_built(modules):
+    source_digest = digest(modules)
+    folder = _folder(source_digest)
+    if _complete(folder, modules):
         return folder
     _check_tools()
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
-        if (folder / _MARKER).is_file():  # another process built it meanwhile
+        if _complete(folder, modules):  # another process built it meanwhile
             return folder
         with tempfile.TemporaryDirectory(prefix="kernels-neuron-compile-") as scratch:
             work = Path(scratch)
             for module in modules:  # the package layout, so each extension gets its dotted name
-                target = work.joinpath(*module.split(".")).with_suffix(".py")
+                target = _copy_path(work, module)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 for package in target.relative_to(work).parents:
                     if package != Path("."):
                         (work / package / "__init__.py").touch()
                 shutil.copyfile(_source(module), target)
+            if digest(modules, root=work) != source_digest:
+                raise RuntimeError("a module's source changed while compile-sim waited for another build: run it again")
 
             def compile_one(module: str) -> tuple[str, float]:
                 start = time.perf_counter()
@@ -229,5 +262,22 @@ def build(
                 relative = _extension(Path(*module.split(".")[:-1]), module)
                 shutil.copyfile(work / relative, _extension(partial, module))
             (partial / _MARKER).write_text("\n".join(modules) + "\n")
+            if folder.exists():  # a damaged build of the same sources
+                shutil.rmtree(folder)
             partial.rename(folder)
+    _prune(folder)
     return folder
+
+
+def _prune(newest: Path) -> None:
+    """Delete all but the KEPT_BUILDS most recent complete builds of other sources beside ``newest``
+    (about 25 MB each). A process that loaded one keeps its mapped files."""
+    import shutil
+
+    others = [
+        f for f in newest.parent.glob(f"{sys.implementation.cache_tag}-*") if f != newest and (f / _MARKER).is_file()
+    ]
+    others.sort(key=lambda f: (f / _MARKER).stat().st_mtime, reverse=True)
+    for old in others[KEPT_BUILDS:]:
+        shutil.rmtree(old, ignore_errors=True)
+        Path(str(old) + ".lock").unlink(missing_ok=True)

@@ -24,17 +24,48 @@ def private_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+def fake_build(folder, modules=SMALL_MODULE):
+    """A folder laid out as a complete build (empty files in place of the extension modules)."""
+    folder.mkdir(parents=True)
+    for module in modules:
+        compiled_sim._extension(folder, module).touch()
+    (folder / "complete").write_text("\n".join(modules))
+
+
 def test_a_build_counts_only_for_the_sources_it_was_made_from(private_cache, tmp_path, monkeypatch):
     assert not compiled_sim.is_built(SMALL_MODULE)
     folder = compiled_sim.build_dir(SMALL_MODULE)
-    folder.mkdir(parents=True)
-    (folder / "complete").write_text("kernels_neuron.sim.trace\n")
+    fake_build(folder)
     assert compiled_sim.is_built(SMALL_MODULE)
+    compiled_sim._extension(folder, SMALL_MODULE[0]).unlink()
+    assert not compiled_sim.is_built(SMALL_MODULE)  # damaged: counts as none (compile-sim replaces it)
+    compiled_sim._extension(folder, SMALL_MODULE[0]).touch()
     assert compiled_sim.build_dir(compiled_sim.MODULES) != folder  # another module set, another build
     edited = tmp_path / "trace.py"
     edited.write_text(compiled_sim._source(SMALL_MODULE[0]).read_text() + "\n# an edit\n")
     monkeypatch.setattr(compiled_sim, "_source", lambda module: edited)
     assert not compiled_sim.is_built(SMALL_MODULE)  # the edited source falls back to Python
+
+
+def test_asking_for_the_build_without_one_warns_and_keeps_the_sources(private_cache, monkeypatch):
+    monkeypatch.setenv("KERNELS_NEURON_SIM_COMPILED", "1")
+    with pytest.warns(UserWarning, match="=1, but there is no compiled build .*kernels-neuron compile-sim"):
+        assert compiled_sim.activate(SMALL_MODULE) is False
+    assert not any(isinstance(f, compiled_sim._CompiledFinder) for f in sys.meta_path)
+
+
+def test_only_the_newest_builds_of_other_sources_are_kept(private_cache):
+    root = private_cache / "compiled-sim"
+    tag = sys.implementation.cache_tag
+    builds = [root / f"{tag}-{n:020d}" for n in range(6)]
+    for age, folder in enumerate(builds):  # builds[0] the newest
+        fake_build(folder)
+        os.utime(folder / "complete", (1e9 - age, 1e9 - age))
+    unfinished = root / f"{tag}-{99:020d}"
+    unfinished.mkdir()  # no marker: another process's build in progress, not touched
+    compiled_sim._prune(builds[0])
+    kept = sorted(p.name for p in root.iterdir())
+    assert kept == sorted(b.name for b in builds[: 1 + compiled_sim.KEPT_BUILDS]) + [unfinished.name]
 
 
 def test_compile_sim_without_cython_names_the_extra_to_install(private_cache, monkeypatch):
@@ -49,8 +80,11 @@ def test_compile_sim_without_cython_names_the_extra_to_install(private_cache, mo
 
 @pytest.mark.slow
 def test_a_compiled_module_simulates_as_its_source_does(private_cache):
+    damaged = compiled_sim.build_dir(SMALL_MODULE)
+    damaged.mkdir(parents=True)
+    (damaged / "complete").write_text("")  # the marker without the extension: a damaged build, replaced
     folder = compiled_sim.build(SMALL_MODULE, jobs=1)
-    assert compiled_sim.is_built(SMALL_MODULE) and folder == compiled_sim.build_dir(SMALL_MODULE)
+    assert compiled_sim.is_built(SMALL_MODULE) and folder == damaged
     assert compiled_sim.build(SMALL_MODULE) == folder  # built once
     script = textwrap.dedent(
         f"""

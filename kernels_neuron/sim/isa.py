@@ -434,7 +434,7 @@ _MATMUL_IN = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn", "bfloat16", "float1
 _MATMUL_FP32 = {"tfloat32", "float32"}
 
 
-# The tile sizes (rows, columns) of TensorE's tiling mode; the smallest only from generation 3 (Trn3) on.
+# The tile sizes (rows, columns) of TensorE's tiling mode; the smallest only from generation 3 (Trn2) on.
 _TILING_MODE_SIZES = (32, 64, 128)
 
 
