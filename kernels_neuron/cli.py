@@ -264,7 +264,7 @@ def _compile_sim(args: argparse.Namespace) -> int:
 
     console = Console()
     folder = compiled_sim.build_dir()
-    if not compiled_sim.is_built():
+    if args.force or not compiled_sim.is_built():
         start = time.perf_counter()
         with Progress(console=console, transient=True) as progress:
             bar = progress.add_task("compiling the simulator", total=len(compiled_sim.MODULES))
@@ -274,7 +274,7 @@ def _compile_sim(args: argparse.Namespace) -> int:
                 progress.advance(bar)
 
             try:
-                compiled_sim.build(jobs=args.jobs, on_done=done)
+                compiled_sim.build(jobs=args.jobs, on_done=done, force=args.force)
             except (RuntimeError, OSError) as exc:
                 console.print(f"[red]{exc}[/]")
                 return 1
@@ -360,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         "fast extra and a C compiler)",
     )
     compile_cmd.add_argument("--jobs", type=_positive_int, default=0, help="modules compiled at once (default: CPUs)")
+    compile_cmd.add_argument(
+        "--force",
+        action="store_true",
+        help="compile again even if a build of the current sources is there (one that fails to load: run this "
+        "with KERNELS_NEURON_SIM_COMPILED=0)",
+    )
     compile_cmd.set_defaults(run=_compile_sim)
     list_cmd = commands.add_parser("list", help="show the registry with each entry's build status")
     list_cmd.set_defaults(run=_list)

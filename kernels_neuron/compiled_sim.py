@@ -201,9 +201,13 @@ def _check_tools() -> None:
 
 
 def build(
-    modules: Sequence[str] = MODULES, jobs: int | None = None, on_done: Callable[[str, float], None] | None = None
+    modules: Sequence[str] = MODULES,
+    jobs: int | None = None,
+    on_done: Callable[[str, float], None] | None = None,
+    force: bool = False,
 ) -> Path:
-    """Compile ``modules`` into :func:`build_dir` (nothing to do if it is complete) and return the folder.
+    """Compile ``modules`` into :func:`build_dir` (nothing to do if it is complete, unless ``force``: a build
+    whose files are all there but do not load) and return the folder.
 
     Each module compiles in its own subprocess (Cython, then the C compiler through setuptools), ``jobs``
     at a time (default: the usable CPUs); ``on_done(module, seconds)`` is called as each finishes. A
@@ -218,12 +222,12 @@ def build(
 
     source_digest = digest(modules)
     folder = _folder(source_digest)
-    if _complete(folder, modules):
+    if _complete(folder, modules) and not force:
         return folder
     _check_tools()
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
-        if _complete(folder, modules):  # another process built it meanwhile
+        if _complete(folder, modules) and not force:  # another process built it meanwhile
             return folder
         with tempfile.TemporaryDirectory(prefix="kernels-neuron-compile-") as scratch:
             work = Path(scratch)
@@ -262,7 +266,7 @@ def build(
                 relative = _extension(Path(*module.split(".")[:-1]), module)
                 shutil.copyfile(work / relative, _extension(partial, module))
             (partial / _MARKER).write_text("\n".join(modules) + "\n")
-            if folder.exists():  # a damaged build of the same sources
+            if folder.exists():  # a damaged build of the same sources, or one rebuilt by force
                 shutil.rmtree(folder)
             partial.rename(folder)
     _prune(folder)
