@@ -49,6 +49,8 @@ def test_a_build_counts_only_for_the_sources_it_was_made_from(private_cache, tmp
 
 def test_asking_for_the_build_without_one_warns_and_keeps_the_sources(private_cache, monkeypatch):
     monkeypatch.setenv("KERNELS_NEURON_SIM_COMPILED", "1")
+    # As in a process started now (a test run on the build has its finder in place already).
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, compiled_sim._CompiledFinder)])
     with pytest.warns(UserWarning, match="=1, but there is no compiled build .*kernels-neuron compile-sim"):
         assert compiled_sim.activate(SMALL_MODULE) is False
     assert not any(isinstance(f, compiled_sim._CompiledFinder) for f in sys.meta_path)
