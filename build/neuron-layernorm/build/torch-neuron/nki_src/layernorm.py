@@ -51,14 +51,16 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ._common import (
-    DECODE_GROUP_ROWS,
     DECODE_PARTITIONS_PER_ROW,
-    DECODE_ROWWISE_WIDTH,
     SMALLEST_SBUF_BYTES,  # the op and the layers accept a hidden size only where the kernels fit it on every target
     P,
+    decode_constants,
     decode_partitions,
+    decode_rows,
     itemsize,
+    load_decode_groups,
     partition_sums,
+    scale_decode_rows,
     tiles,
 )
 
@@ -333,19 +335,10 @@ def _decode_forward(x, weight, bias, eps, out, mean_out, rstd_out, parts):
     """Few rows, each spread over ``parts`` partitions (the module's decode layout): a [parts, rows, c]
     tile per group of DECODE_GROUP_ROWS rows, each group with its own DMAs so that one group's
     arithmetic overlaps the others' transfers; the weight and the bias as [parts, c] tiles."""
-    rows, hidden = x.shape
+    hidden = x.shape[1]
     width = hidden // parts
-    groups = []
-    for r0, count in tiles(rows, DECODE_GROUP_ROWS):  # every load first: the weight and bias wait behind them
-        tile = nl.ndarray((parts, count, width), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=x[r0 : r0 + count, :].reshape((count, parts, width)).permute((1, 0, 2)))
-        groups.append((r0, count, tile))
-    # The constants on GpSimd, which the rows' statistics leave idle.
-    gpsimd = nisa.engine.gpsimd
-    ones = nl.ndarray((parts, parts), nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones, value=1.0, engine=gpsimd)
-    eps_column = nl.ndarray((parts, 1), nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=eps_column, value=eps, engine=gpsimd)
+    groups = load_decode_groups(x, parts)
+    ones, eps_column = decode_constants(parts, eps)
     affine = []
     for vector in (weight, bias):
         spread = None
@@ -375,13 +368,7 @@ def _decode_forward(x, weight, bias, eps, out, mean_out, rstd_out, parts):
     steps = [(op, spread) for op, spread in ((nl.multiply, w), (nl.add, b)) if spread is not None]
     for (r0, count, _), shifted, mean, rstd in zip(groups, centred, means, rstds):
         normed = nl.ndarray((parts, count, width), x.dtype if not steps else nl.float32, buffer=nl.sbuf)
-        if width >= DECODE_ROWWISE_WIDTH:
-            for j in range(count):
-                nisa.activation(dst=normed[:, j, :], op=nl.copy, data=shifted[:, j, :], scale=rstd[:, j : j + 1])
-        else:
-            nisa.tensor_tensor(
-                dst=normed, data1=shifted, data2=rstd.reshape((parts, count, 1)).broadcast(2, width), op=nl.multiply
-            )
+        scale_decode_rows(normed, shifted, rstd)
         result = normed
         for i, (op, spread) in enumerate(steps):
             step = nl.ndarray((parts, count, width), x.dtype if i == len(steps) - 1 else nl.float32, buffer=nl.sbuf)
@@ -394,8 +381,7 @@ def _decode_forward(x, weight, bias, eps, out, mean_out, rstd_out, parts):
                 engine=engine,
             )
             result = step
-        rows_out = out[r0 : r0 + count, :].reshape((count, parts, width)).permute((1, 0, 2))
-        nisa.dma_copy(dst=rows_out, src=result)
+        nisa.dma_copy(dst=decode_rows(out, r0, count, parts), src=result)
         # every partition holds every row's mean and rstd
         nisa.dma_copy(dst=mean_out[r0 : r0 + count, :].reshape((1, count)), src=mean[0:1, :])
         nisa.dma_copy(dst=rstd_out[r0 : r0 + count, :].reshape((1, count)), src=rstd[0:1, :])

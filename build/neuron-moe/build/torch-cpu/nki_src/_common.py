@@ -77,6 +77,47 @@ def decode_partitions(rows, hidden, dtype, per_row=DECODE_PARTITIONS_PER_ROW):
     return 0
 
 
+def decode_rows(t, r0, count, parts):
+    """Rows [r0, r0 + count) of the HBM tensor ``t`` [rows, H] in the decode layout, [parts, count, H / parts]:
+    partition p holds columns [p c, (p + 1) c) of every row (a DMA's source or destination)."""
+    width = t.shape[1] // parts
+    return t[r0 : r0 + count, :].reshape((count, parts, width)).permute((1, 0, 2))
+
+
+def load_decode_groups(x, parts):
+    """Every group of DECODE_GROUP_ROWS rows of ``x`` loaded in the decode layout, as (r0, count, tile):
+    each group with its own DMA, so one group's arithmetic overlaps the others' transfers, and every
+    load issued before the weights', which wait behind them."""
+    groups = []
+    for r0, count in tiles(x.shape[0], DECODE_GROUP_ROWS):
+        tile = nl.ndarray((parts, count, x.shape[1] // parts), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=decode_rows(x, r0, count, parts))
+        groups.append((r0, count, tile))
+    return groups
+
+
+def decode_constants(parts, eps):
+    """The decode layout's ones matrix (for ``partition_sums``) and eps column, [parts, parts] and
+    [parts, 1] fp32, set on GpSimd, which the rows' arithmetic leaves idle."""
+    ones = nl.ndarray((parts, parts), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0, engine=nisa.engine.gpsimd)
+    eps_column = nl.ndarray((parts, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=eps_column, value=eps, engine=nisa.engine.gpsimd)
+    return ones, eps_column
+
+
+def scale_decode_rows(dst, data, rstd):
+    """dst = data * rstd, each row of a [parts, count, c] tile by its own [parts, count] column: row by row
+    on ScalarE from DECODE_ROWWISE_WIDTH columns, else one VectorE instruction over the group."""
+    parts, count, width = data.shape
+    if width >= DECODE_ROWWISE_WIDTH:
+        for j in range(count):
+            nisa.activation(dst=dst[:, j, :], op=nl.copy, data=data[:, j, :], scale=rstd[:, j : j + 1])
+    else:
+        along_rows = rstd.reshape((parts, count, 1)).broadcast(2, width)
+        nisa.tensor_tensor(dst=dst, data1=data, data2=along_rows, op=nl.multiply)
+
+
 def partition_sums(values, ones):
     """Each row's sum over the partitions and the last dim of ``values`` [parts, rows, c], as [parts, rows]
     fp32 in PSUM with every partition holding every row's sum (the norms' decode layout): VectorE sums

@@ -63,12 +63,14 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ._common import (
-    DECODE_GROUP_ROWS,
-    DECODE_ROWWISE_WIDTH,
     P,
+    decode_constants,
     decode_partitions,
+    decode_rows,
     itemsize,
+    load_decode_groups,
     partition_sums,
+    scale_decode_rows,
     tiles,
 )
 
@@ -177,20 +179,13 @@ def _decode_forward(x, weight, eps, convention, out, rstd_out, parts):
     over the partitions and hands every partition every row's total (one moving column per row, so a
     NaN stays in its own row). Rows go in groups of DECODE_GROUP_ROWS, each with its own DMAs, so one
     group's arithmetic overlaps the next group's load and the previous group's store."""
-    rows, hidden = x.shape
+    hidden = x.shape[1]
     width = hidden // parts
     llama = convention == "llama"
-    groups = []
-    for r0, count in tiles(rows, DECODE_GROUP_ROWS):  # every load first: the weight waits behind them
-        tile = nl.ndarray((parts, count, width), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=x[r0 : r0 + count, :].reshape((count, parts, width)).permute((1, 0, 2)))
-        groups.append((r0, count, tile))
+    groups = load_decode_groups(x, parts)
     # The weight and the constants are prepared on GpSimd, which the rows' arithmetic leaves idle, so no
     # engine that serves the rows waits for the weight's DMA.
-    ones = nl.ndarray((parts, parts), nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones, value=1.0, engine=nisa.engine.gpsimd)
-    eps_column = nl.ndarray((parts, 1), nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=eps_column, value=eps, engine=nisa.engine.gpsimd)
+    ones, eps_column = decode_constants(parts, eps)
     w = nl.ndarray((parts, width), weight.dtype if llama else nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=w, src=weight.reshape((parts, width)))
     if convention == "gemma":
@@ -203,18 +198,12 @@ def _decode_forward(x, weight, eps, convention, out, rstd_out, parts):
         nisa.activation(dst=rstd, op=nl.rsqrt, data=mean_square, bias=eps_column)
         # Llama rounds the normalised value to x's dtype before the weight; the fp32 conventions do not.
         normed = nl.ndarray((parts, count, width), x.dtype if llama else nl.float32, buffer=nl.sbuf)
-        if width >= DECODE_ROWWISE_WIDTH:
-            for j in range(count):
-                nisa.activation(dst=normed[:, j, :], op=nl.copy, data=tile[:, j, :], scale=rstd[:, j : j + 1])
-        else:
-            along_rows = rstd.reshape((parts, count, 1)).broadcast(2, width)
-            nisa.tensor_tensor(dst=normed, data1=tile, data2=along_rows, op=nl.multiply)
+        scale_decode_rows(normed, tile, rstd)
         result = nl.ndarray((parts, count, width), out.dtype, buffer=nl.sbuf)
         nisa.tensor_tensor(
             dst=result, data1=normed, data2=w.reshape((parts, 1, width)).broadcast(1, count), op=nl.multiply
         )
-        rows_out = out[r0 : r0 + count, :].reshape((count, parts, width)).permute((1, 0, 2))
-        nisa.dma_copy(dst=rows_out, src=result)
+        nisa.dma_copy(dst=decode_rows(out, r0, count, parts), src=result)
         # every partition holds every row's rstd
         nisa.dma_copy(dst=rstd_out[r0 : r0 + count, :].reshape((1, count)), src=rstd[0:1, :])
 
