@@ -73,11 +73,11 @@ setup(
 """
 
 
-def _source(module: str) -> Path:
-    return PACKAGE_DIR.parent.joinpath(*module.split(".")).with_suffix(".py")
+SOURCE_ROOT = PACKAGE_DIR.parent  # where ``kernels_neuron`` is: a checkout, or site-packages
 
 
-def _copy_path(root: Path, module: str) -> Path:
+def _module_file(root: Path, module: str) -> Path:
+    """The source file of the dotted ``module`` in a package tree under ``root``."""
     return root.joinpath(*module.split(".")).with_suffix(".py")
 
 
@@ -87,8 +87,7 @@ def digest(modules: Sequence[str] = MODULES, root: Path | None = None) -> str:
     abi = (sys.implementation.cache_tag, importlib.machinery.EXTENSION_SUFFIXES[0])
     sha = hashlib.sha256(repr((sorted(modules), DIRECTIVES, abi)).encode())
     for module in sorted(modules):
-        source = _source(module) if root is None else _copy_path(root, module)
-        sha.update(module.encode() + b"\0" + source.read_bytes() + b"\0")
+        sha.update(module.encode() + b"\0" + _module_file(root or SOURCE_ROOT, module).read_bytes() + b"\0")
     return sha.hexdigest()[:20]
 
 
@@ -232,18 +231,18 @@ def build(
         with tempfile.TemporaryDirectory(prefix="kernels-neuron-compile-") as scratch:
             work = Path(scratch)
             for module in modules:  # the package layout, so each extension gets its dotted name
-                target = _copy_path(work, module)
+                target = _module_file(work, module)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 for package in target.relative_to(work).parents:
                     if package != Path("."):
                         (work / package / "__init__.py").touch()
-                shutil.copyfile(_source(module), target)
+                shutil.copyfile(_module_file(SOURCE_ROOT, module), target)
             if digest(modules, root=work) != source_digest:
                 raise RuntimeError("a module's source changed while compile-sim waited for another build: run it again")
 
             def compile_one(module: str) -> tuple[str, float]:
                 start = time.perf_counter()
-                source = Path(*module.split(".")).with_suffix(".py").as_posix()
+                source = _module_file(Path(), module).as_posix()
                 result = subprocess.run(
                     [sys.executable, "-c", _COMPILE_ONE, source, json.dumps(DIRECTIVES)],
                     cwd=work,

@@ -41,9 +41,12 @@ def test_a_build_counts_only_for_the_sources_it_was_made_from(private_cache, tmp
     assert not compiled_sim.is_built(SMALL_MODULE)  # damaged: counts as none (compile-sim replaces it)
     compiled_sim._extension(folder, SMALL_MODULE[0]).touch()
     assert compiled_sim.build_dir(compiled_sim.MODULES) != folder  # another module set, another build
-    edited = tmp_path / "trace.py"
-    edited.write_text(compiled_sim._source(SMALL_MODULE[0]).read_text() + "\n# an edit\n")
-    monkeypatch.setattr(compiled_sim, "_source", lambda module: edited)
+    edited = compiled_sim._module_file(tmp_path, SMALL_MODULE[0])  # a copy of the package tree, edited
+    edited.parent.mkdir(parents=True)
+    edited.write_text(
+        compiled_sim._module_file(compiled_sim.SOURCE_ROOT, SMALL_MODULE[0]).read_text() + "\n# an edit\n"
+    )
+    monkeypatch.setattr(compiled_sim, "SOURCE_ROOT", tmp_path)
     assert not compiled_sim.is_built(SMALL_MODULE)  # the edited source falls back to Python
 
 
