@@ -10,8 +10,14 @@ from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kernels_neuron import compiled_sim
+
+
+def _print_error(console: Console, message: object) -> None:
+    """``message`` in red, as plain text: brackets in it (an extra's name, a list) are not rich markup."""
+    console.print(Text(str(message), style="red"))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -134,13 +140,13 @@ def _bench(args: argparse.Namespace) -> int:
             jobs=args.jobs or bench.default_jobs(),
         )
     except bench.NoMatchingCase as exc:
-        console.print(f"[red]{exc}[/]; cases: " + ", ".join(c.name for c in cases))
+        _print_error(console, f"{exc}; cases: " + ", ".join(c.name for c in cases))
         return 2
     except ValueError as exc:
-        console.print(f"[red]{exc}[/]")
+        _print_error(console, exc)
         return 2
     except bench.TraceMismatch as exc:
-        console.print(f"[red]--check-numerics: a full simulation left a different trace: {exc}[/]")
+        _print_error(console, f"--check-numerics: a full simulation left a different trace: {exc}")
         return 1
     console.print(bench.render_table(records))
     if args.check_numerics:
@@ -191,7 +197,7 @@ def _build(args: argparse.Namespace) -> int:
     try:
         files = hub.write(prune=args.prune)
     except UnknownFilesError as exc:
-        console.print(f"[red]{exc}[/]", markup=False)
+        _print_error(console, exc)
         return 1
     console.print(f"wrote {len(files)} files under {hub.BUILD_DIR}")
     return 0
@@ -205,7 +211,7 @@ def _install(args: argparse.Namespace) -> int:
     try:
         installed = hub.install(cache=args.cache)
     except RuntimeError as exc:
-        console.print(f"[red]{exc}[/]")
+        _print_error(console, exc)
         return 1
     for repo_id, snapshot in installed.items():
         console.print(f"{repo_id} -> {snapshot}")
@@ -276,7 +282,7 @@ def _compile_sim(args: argparse.Namespace) -> int:
             try:
                 compiled_sim.build(jobs=args.jobs, on_done=done, force=args.force)
             except (RuntimeError, OSError) as exc:
-                console.print(f"[red]{exc}[/]")
+                _print_error(console, exc)
                 return 1
         console.print(f"Compiled {len(compiled_sim.MODULES)} modules in {time.perf_counter() - start:.0f} s.")
     console.print(

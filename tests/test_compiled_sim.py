@@ -125,3 +125,14 @@ def test_a_compiled_module_simulates_as_its_source_does(private_cache):
     x = np.arange(256 * 96, dtype=np.float32).reshape(256, 96) / 1000
     np.testing.assert_allclose(np.asarray(runs["1"]["out"], np.float32), examples.row_softmax_reference(x), rtol=1e-6)
     assert [i.op for i in sim.run(examples.row_softmax, x).trace] == [op for op, *_ in runs["1"]["trace"]]
+
+
+def test_the_command_names_the_extra_to_install(private_cache, monkeypatch, capsys):
+    from kernels_neuron.cli import main
+
+    real_find_spec = compiled_sim.importlib.util.find_spec
+    monkeypatch.setattr(
+        compiled_sim.importlib.util, "find_spec", lambda name: None if name == "Cython" else real_find_spec(name)
+    )
+    assert main(["compile-sim"]) == 1
+    assert "pip install 'kernels-neuron[fast]'" in capsys.readouterr().out  # brackets printed, not markup
